@@ -1,0 +1,104 @@
+"""Reading the snapshot chain: the head pointer, manifests, and the path to a snapshot."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from . import layout
+from .errors import ChainError, CorruptDataError, NotFoundError
+from .manifest import Manifest, check_snapshot_id
+from .stores import Store
+
+
+@dataclass(frozen=True)
+class Head:
+    """The newest committed snapshot, as the head pointer names it."""
+
+    snapshot_id: str
+    step: int
+
+
+def encode_head(manifest: Manifest) -> bytes:
+    return json.dumps({"snapshot_id": manifest.snapshot_id, "step": manifest.step, "kind": manifest.kind}).encode()
+
+
+def decode_head(data: bytes) -> Head:
+    try:
+        doc = json.loads(data)
+        head = Head(check_snapshot_id(doc["snapshot_id"]), int(doc["step"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptDataError(f"malformed HEAD: {exc!r}") from None
+    return head
+
+
+class ChainReader:
+    """Reads and caches the manifests of one store. Manifests are immutable once committed."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._manifests: dict[str, Manifest] = {}
+
+    async def head(self) -> Head | None:
+        """The head pointer, or None for an empty store."""
+        try:
+            return decode_head(await self.store.get(layout.HEAD_KEY))
+        except NotFoundError:
+            return None
+
+    async def manifest(self, snapshot_id: str) -> Manifest:
+        """The validated manifest of ``snapshot_id``; NotFoundError if it is not committed."""
+        cached = self._manifests.get(snapshot_id)
+        if cached is not None:
+            return cached
+        manifest = Manifest.from_json(await self.store.get(layout.manifest_key(snapshot_id)))
+        if manifest.snapshot_id != snapshot_id:
+            raise CorruptDataError(f"manifest at {snapshot_id} names itself {manifest.snapshot_id}")
+        self._manifests[snapshot_id] = manifest
+        return manifest
+
+    async def snapshot_ids(self) -> list[str]:
+        """Ids of every committed snapshot (those with a manifest), in store order."""
+        keys = await self.store.list(layout.SNAPSHOTS_PREFIX)
+        return [k.split("/")[1] for k in keys if k.count("/") == 2 and k.endswith("/manifest.json")]
+
+    async def list(self) -> list[Manifest]:
+        """Every committed snapshot, oldest step first."""
+        manifests = [await self.manifest(i) for i in await self.snapshot_ids()]
+        return sorted(manifests, key=lambda m: (m.step, m.kind != "base"))
+
+    async def latest_id(self) -> str | None:
+        """The newest snapshot: the head pointer, or the highest committed step if HEAD lags."""
+        head = await self.head()
+        return None if head is None else head.snapshot_id
+
+    async def path_to(self, target_id: str, current_id: str | None = None) -> list[Manifest]:
+        """Manifests to apply, oldest first, to reach ``target_id``.
+
+        From ``current_id`` when the deltas link up from it, else from the nearest base.
+        Raises ChainError when a delta's predecessor is missing or steps do not increase.
+        """
+        if target_id == current_id:
+            return []
+        path: list[Manifest] = []
+        manifest = await self.manifest(target_id)
+        while True:
+            path.append(manifest)
+            if manifest.snapshot_id == current_id and len(path) > 1:
+                path.pop()  # already applied
+                break
+            if manifest.kind == "base":
+                break
+            prev_id = manifest.prev_snapshot_id
+            assert prev_id is not None
+            try:
+                prev = await self.manifest(prev_id)
+            except NotFoundError:
+                raise ChainError(f"snapshot {manifest.snapshot_id} needs {prev_id}, which is not in the store") from None
+            if prev.step >= manifest.step:
+                raise ChainError(f"snapshot {manifest.snapshot_id} (step {manifest.step}) follows a later step {prev.step}")
+            if len(path) > 100_000:
+                raise ChainError("snapshot chain does not end in a base")
+            manifest = prev
+        path.reverse()
+        return path

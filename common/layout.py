@@ -1,0 +1,39 @@
+"""Where things live in a store. Every key delta-swap reads or writes is built here."""
+
+from __future__ import annotations
+
+from .manifest import check_relative_name, check_snapshot_id
+
+HEAD_KEY = "HEAD"
+SNAPSHOTS_PREFIX = "snapshots/"
+
+
+def snapshot_prefix(snapshot_id: str) -> str:
+    return f"{SNAPSHOTS_PREFIX}{check_snapshot_id(snapshot_id)}/"
+
+
+def manifest_key(snapshot_id: str) -> str:
+    """Written last of a snapshot: its presence means the snapshot is complete."""
+    return snapshot_prefix(snapshot_id) + "manifest.json"
+
+
+def shard_key(snapshot_id: str, shard: str) -> str:
+    return snapshot_prefix(snapshot_id) + check_relative_name(shard, "shard")
+
+
+def file_key(snapshot_id: str, name: str) -> str:
+    return snapshot_prefix(snapshot_id) + "files/" + check_relative_name(name, "file")
+
+
+def part_key(snapshot_id: str, rank: int) -> str:
+    """One rank's contribution to a multi-rank snapshot, merged into the manifest at commit."""
+    return snapshot_prefix(snapshot_id) + f"parts/rank-{rank:05d}.json"
+
+
+def parts_prefix(snapshot_id: str) -> str:
+    return snapshot_prefix(snapshot_id) + "parts/"
+
+
+def shard_name(rank: int, world_size: int, kind: str) -> str:
+    ext = "safetensors" if kind == "raw" else "dsd"
+    return f"shard-{rank:05d}-of-{world_size:05d}.{ext}"

@@ -1,0 +1,227 @@
+"""Snapshot manifests: the JSON document that describes one snapshot (see docs/FORMAT.md).
+
+Parsing validates everything a reader later trusts: the format version, identifiers, names
+that become paths, dtypes, shapes (bounded), encodings and byte ranges.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .dtypes import dtype_size
+from .errors import CorruptDataError, FormatVersionError
+
+FORMAT_NAME = "delta-swap"
+FORMAT_VERSION = 1
+
+KIND_BASE, KIND_DELTA = "base", "delta"
+#: raw: plain bytes in a safetensors shard; full/delta: codec payloads; same: unchanged, no bytes.
+ENCODINGS = ("raw", "full", "delta", "same")
+
+#: Largest tensor a manifest may describe (1 TiB): bounds every allocation a reader makes.
+MAX_TENSOR_BYTES = 1 << 40
+MAX_MANIFEST_BYTES = 256 << 20
+
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_SEGMENT_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
+
+
+def check_snapshot_id(snapshot_id: Any) -> str:
+    """Return ``snapshot_id`` if it is a safe identifier (it becomes part of store keys)."""
+    if not isinstance(snapshot_id, str) or not _ID_RE.match(snapshot_id) or ".." in snapshot_id:
+        raise CorruptDataError(f"invalid snapshot id {snapshot_id!r}")
+    return snapshot_id
+
+
+def check_relative_name(name: Any, what: str) -> str:
+    """Return ``name`` if it is a relative path that cannot escape its folder."""
+    if not isinstance(name, str) or not name or len(name) > 1024:
+        raise CorruptDataError(f"invalid {what} name {name!r}")
+    for segment in name.split("/"):
+        if not _SEGMENT_RE.match(segment) or segment in (".", ".."):
+            raise CorruptDataError(f"invalid {what} name {name!r}")
+    return name
+
+
+def snapshot_id_for_step(step: int) -> str:
+    """The id every rank derives for ``step`` without talking to the others."""
+    return f"step-{step:010d}"
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of the rebuilt model and where its bytes are."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    encoding: str
+    checksum: str
+    shard: str | None = None
+    offset: int = 0
+    length: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the rebuilt tensor."""
+        return math.prod(self.shape) * dtype_size(self.dtype)
+
+
+@dataclass(frozen=True)
+class BlobEntry:
+    """A stored file (shard or non-tensor checkpoint file) with its size and checksum."""
+
+    name: str
+    size: int
+    checksum: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A committed snapshot: a full base, or a delta against ``prev_snapshot_id``."""
+
+    snapshot_id: str
+    step: int
+    kind: str
+    prev_snapshot_id: str | None
+    base_snapshot_id: str
+    tensors: tuple[TensorEntry, ...]
+    shards: tuple[BlobEntry, ...]
+    files: tuple[BlobEntry, ...] = ()
+    created_at: float = 0.0
+    metadata: dict[str, str] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def model_bytes(self) -> int:
+        """Raw bytes of every tensor of the rebuilt model."""
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes stored for this snapshot's tensors (its shards)."""
+        return sum(s.size for s in self.shards)
+
+    def to_json(self) -> bytes:
+        doc = {"format": FORMAT_NAME, **asdict(self)}
+        doc["model_bytes"], doc["payload_bytes"] = self.model_bytes, self.payload_bytes
+        return json.dumps(doc, indent=1, sort_keys=False).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Manifest:
+        """Parse and validate a manifest; raises CorruptDataError or FormatVersionError."""
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise CorruptDataError("manifest is too large")
+        try:
+            doc = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise CorruptDataError(f"manifest is not valid JSON: {exc}") from None
+        return _parse_manifest(doc)
+
+
+def _parse_manifest(doc: Any) -> Manifest:
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise CorruptDataError("not a delta-swap manifest")
+    version = doc.get("format_version")
+    if version != FORMAT_VERSION:
+        raise FormatVersionError(f"unsupported format version {version!r} (this build reads {FORMAT_VERSION})")
+    try:
+        kind = doc["kind"]
+        if kind not in (KIND_BASE, KIND_DELTA):
+            raise CorruptDataError(f"unknown snapshot kind {kind!r}")
+        prev = doc["prev_snapshot_id"]
+        if kind == KIND_BASE and prev is not None:
+            raise CorruptDataError("a base snapshot has no prev_snapshot_id")
+        if kind == KIND_DELTA:
+            check_snapshot_id(prev)
+        manifest = Manifest(
+            snapshot_id=check_snapshot_id(doc["snapshot_id"]),
+            step=_int(doc["step"], "step"),
+            kind=kind,
+            prev_snapshot_id=prev,
+            base_snapshot_id=check_snapshot_id(doc["base_snapshot_id"]),
+            tensors=tuple(_parse_tensor(t) for t in _list(doc["tensors"], "tensors")),
+            shards=tuple(_parse_blob(b, "shard") for b in _list(doc["shards"], "shards")),
+            files=tuple(_parse_blob(b, "file") for b in _list(doc.get("files", []), "files")),
+            created_at=float(doc.get("created_at", 0.0)),
+            metadata={str(k): str(v) for k, v in dict(doc.get("metadata", {})).items()},
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptDataError(f"malformed manifest: {exc!r}") from None
+    _check_consistency(manifest)
+    return manifest
+
+
+def _int(value: Any, what: str, limit: int = 1 << 62) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= limit:
+        raise CorruptDataError(f"invalid {what} {value!r}")
+    return value
+
+
+def _list(value: Any, what: str) -> list:
+    if not isinstance(value, list):
+        raise CorruptDataError(f"{what} must be a list")
+    return value
+
+
+def _parse_tensor(doc: Any) -> TensorEntry:
+    if not isinstance(doc, dict):
+        raise CorruptDataError("tensor entry must be an object")
+    name = doc["name"]
+    if not isinstance(name, str) or not name or len(name) > 1024:
+        raise CorruptDataError(f"invalid tensor name {name!r}")
+    shape = tuple(_int(d, f"dimension of {name}") for d in _list(doc["shape"], "shape"))
+    if len(shape) > 16:
+        raise CorruptDataError(f"tensor {name} has {len(shape)} dimensions")
+    entry = TensorEntry(
+        name=name,
+        dtype=str(doc["dtype"]),
+        shape=shape,
+        encoding=str(doc["encoding"]),
+        checksum=str(doc["checksum"]),
+        shard=None if doc.get("shard") is None else check_relative_name(doc["shard"], "shard"),
+        offset=_int(doc.get("offset", 0), "offset"),
+        length=_int(doc.get("length", 0), "length"),
+    )
+    dtype_size(entry.dtype)
+    if entry.nbytes > MAX_TENSOR_BYTES:
+        raise CorruptDataError(f"tensor {name} claims {entry.nbytes} bytes")
+    if entry.encoding not in ENCODINGS:
+        raise CorruptDataError(f"tensor {name} has unknown encoding {entry.encoding!r}")
+    if (entry.encoding == "same") != (entry.shard is None):
+        raise CorruptDataError(f"tensor {name}: encoding {entry.encoding} with shard {entry.shard!r}")
+    if entry.encoding == "raw" and entry.length != entry.nbytes:
+        raise CorruptDataError(f"tensor {name}: raw length {entry.length} != {entry.nbytes}")
+    return entry
+
+
+def _parse_blob(doc: Any, what: str) -> BlobEntry:
+    if not isinstance(doc, dict):
+        raise CorruptDataError(f"{what} entry must be an object")
+    return BlobEntry(
+        name=check_relative_name(doc["name"], what), size=_int(doc["size"], f"{what} size"), checksum=str(doc["checksum"])
+    )
+
+
+def _check_consistency(m: Manifest) -> None:
+    names = [t.name for t in m.tensors]
+    if len(set(names)) != len(names):
+        raise CorruptDataError("manifest lists a tensor twice")
+    shards = {s.name: s for s in m.shards}
+    if len(shards) != len(m.shards):
+        raise CorruptDataError("manifest lists a shard twice")
+    for t in m.tensors:
+        if t.shard is None:
+            continue
+        if t.shard not in shards:
+            raise CorruptDataError(f"tensor {t.name} points at unknown shard {t.shard}")
+        if t.offset + t.length > shards[t.shard].size:
+            raise CorruptDataError(f"tensor {t.name} runs past the end of shard {t.shard}")
+        if m.kind == KIND_BASE and t.encoding != "raw":
+            raise CorruptDataError(f"base snapshot stores tensor {t.name} as {t.encoding}")
+    if m.kind == KIND_BASE and m.base_snapshot_id != m.snapshot_id:
+        raise CorruptDataError("a base snapshot must be its own base")

@@ -1,0 +1,342 @@
+"""The trainer side: publish each step as a full base or a lossless delta, in the background.
+
+A training loop calls :meth:`Publisher.publish` after each optimizer step. The call copies the
+tensors to host memory and returns; encoding and upload run on a background thread with at
+most ``max_pending`` steps queued (bounded memory). Errors surface on the next ``publish``,
+``flush`` or ``close``.
+
+Several ranks may each publish their own subset of the tensors into one snapshot: every rank
+uploads its own shard and a *part* record; whichever rank completes the set commits the
+manifest. A snapshot is a base when every part is full; a rank whose tensors cannot be diffed
+(new tensors, changed shapes, a delta too large) stores its part in full inside a delta.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import queue
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from . import codec, layout
+from .chain import ChainReader, encode_head
+from .checksum import checksum
+from .errors import ChainError, DeltaSwapError, NotFoundError
+from .manifest import KIND_BASE, KIND_DELTA, BlobEntry, Manifest, TensorEntry, snapshot_id_for_step
+from .rebuild import rebuild
+from .safetensors_io import write_safetensors
+from .stores import Store, open_store
+from .tensors import StateDict, state_to_host
+
+DELTA_SHARD_MAGIC = b"DSWPSHD1"
+
+
+class PublishError(DeltaSwapError):
+    """A background publish failed; raised from the next publish, flush or close."""
+
+
+@dataclass(frozen=True)
+class PublisherConfig:
+    """How often bases are written and how much memory the background queue may hold."""
+
+    base_every: int = 25
+    #: Publish a full part instead when its delta would exceed this fraction of its raw bytes.
+    max_delta_fraction: float = 0.5
+    rank: int = 0
+    world_size: int = 1
+    #: Steps copied and waiting for the background thread before ``publish`` blocks.
+    max_pending: int = 2
+    #: Continue the chain already in the store (rebuilding its head) instead of starting a base.
+    resume: bool = True
+    codec: codec.CodecConfig = field(default_factory=codec.CodecConfig)
+
+
+@dataclass
+class _Part:
+    """One rank's contribution to a snapshot."""
+
+    snapshot_id: str
+    step: int
+    rank: int
+    world_size: int
+    full: bool
+    prev_snapshot_id: str | None
+    tensors: list[TensorEntry]
+    shards: list[BlobEntry]
+    files: list[BlobEntry]
+    metadata: dict[str, str]
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> _Part:
+        doc = json.loads(data)
+        doc["tensors"] = [TensorEntry(**{**t, "shape": tuple(t["shape"])}) for t in doc["tensors"]]
+        doc["shards"] = [BlobEntry(**b) for b in doc["shards"]]
+        doc["files"] = [BlobEntry(**b) for b in doc["files"]]
+        return cls(**doc)
+
+
+@dataclass
+class _Job:
+    step: int
+    state: StateDict
+    force_base: bool
+    metadata: dict[str, str]
+
+
+class Publisher:
+    """Publishes a chain of snapshots to a store from a training loop (one instance per rank)."""
+
+    def __init__(
+        self,
+        store: Store | str,
+        config: PublisherConfig = PublisherConfig(),
+        files: Mapping[str, bytes] | None = None,
+    ) -> None:
+        if not 0 <= config.rank < config.world_size:
+            raise ValueError(f"rank {config.rank} is outside world size {config.world_size}")
+        if config.base_every < 1 or config.max_pending < 1:
+            raise ValueError("base_every and max_pending must be at least 1")
+        self.config = config
+        self.files = dict(files or {})
+        self._store_arg = store
+        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=config.max_pending)
+        self._error: BaseException | None = None
+        self._last_step: int | None = None
+        self._closed = False
+        self.published: list[str] = []
+        # Owned by the background thread:
+        self._prev_state: StateDict | None = None
+        self._prev_id: str | None = None
+        self._last_base_step: int | None = None
+        self._resumed = False
+        self._thread = threading.Thread(target=self._run, name=f"delta-swap-publisher-{config.rank}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ caller side
+
+    def publish(
+        self, step: int, tensors: Mapping[str, Any], *, force_base: bool = False, metadata: Mapping[str, str] | None = None
+    ) -> str:
+        """Queue ``tensors`` (torch tensors or numpy arrays, serving dtype, HF names) as ``step``.
+
+        Returns the snapshot id at once; blocks only while ``max_pending`` steps are queued.
+        """
+        self._raise_pending_error()
+        if self._closed:
+            raise PublishError("publisher is closed")
+        if self._last_step is not None and step <= self._last_step:
+            raise ValueError(f"step {step} is not after the last published step {self._last_step}")
+        if not tensors:
+            raise ValueError("nothing to publish")
+        self._last_step = step
+        job = _Job(step, state_to_host(tensors), force_base, dict(metadata or {}))
+        while True:
+            try:
+                self._queue.put(job, timeout=0.5)
+                break
+            except queue.Full:
+                self._raise_pending_error()
+        return snapshot_id_for_step(step)
+
+    def flush(self) -> None:
+        """Wait until every queued step is committed (or this rank's part is uploaded)."""
+        self._queue.join()
+        self._raise_pending_error()
+
+    def close(self) -> None:
+        """Flush, then stop the background thread."""
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+            self._thread.join()
+        self._raise_pending_error()
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _raise_pending_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise PublishError(f"publishing failed: {error}") from error
+
+    # ------------------------------------------------------------------ background thread
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        store = self._store_arg if isinstance(self._store_arg, Store) else open_store(self._store_arg, create=True)
+        try:
+            while True:
+                job = self._queue.get()
+                try:
+                    if job is None:
+                        return
+                    if self._error is None:
+                        loop.run_until_complete(self._publish(store, job))
+                except BaseException as exc:  # surfaced to the caller
+                    self._error = exc
+                finally:
+                    self._queue.task_done()
+        finally:
+            loop.run_until_complete(store.close())
+            loop.close()
+
+    async def _publish(self, store: Store, job: _Job) -> None:
+        cfg = self.config
+        if cfg.resume and not self._resumed:
+            await self._resume(store, job)
+        self._resumed = True
+        snapshot_id = snapshot_id_for_step(job.step)
+        if await store.exists(layout.manifest_key(snapshot_id)):
+            raise ChainError(f"snapshot {snapshot_id} already exists in {store.url}")
+        cadence = self._last_base_step is None or job.force_base or job.step - self._last_base_step >= cfg.base_every
+        prev = self._prev_state
+        must_full = cadence or prev is None or _layout_of(prev) != _layout_of(job.state)
+        delta = None if must_full else await asyncio.to_thread(self._delta_part, job, snapshot_id)
+        if delta is None:
+            part = await self._full_part(store, job, snapshot_id)
+        else:
+            part, data = delta
+            for shard in part.shards:
+                await store.put(layout.shard_key(snapshot_id, shard.name), data)
+        if cadence or cfg.world_size == 1 and part.full:
+            self._last_base_step = job.step
+        if cfg.world_size == 1:
+            await commit(store, [part])
+        else:
+            await store.put(layout.part_key(snapshot_id, cfg.rank), part.to_json())
+            await try_commit(store, snapshot_id, cfg.world_size)
+        self._prev_state, self._prev_id = job.state, snapshot_id
+        self.published.append(snapshot_id)
+
+    async def _resume(self, store: Store, job: _Job) -> None:
+        reader = ChainReader(store)
+        head = await reader.head()
+        if head is None:
+            return
+        if head.step >= job.step:
+            raise ChainError(f"store head is at step {head.step}; cannot publish step {job.step} after it")
+        manifest, state, _ = await rebuild(store, head.snapshot_id, reader=reader)
+        self._prev_state = {name: state[name] for name in job.state if name in state}
+        self._prev_id = manifest.snapshot_id
+        self._last_base_step = (await reader.manifest(manifest.base_snapshot_id)).step
+
+    def _delta_part(self, job: _Job, snapshot_id: str) -> tuple[_Part, bytes] | None:
+        """Encode this rank's tensors against the previous step; None if a full part is better."""
+        assert self._prev_state is not None
+        cfg = self.config
+        shard = layout.shard_name(cfg.rank, cfg.world_size, "delta")
+        buf = io.BytesIO()
+        buf.write(DELTA_SHARD_MAGIC)
+        entries = []
+        raw_bytes = sum(t.nbytes for t in job.state.values())
+        for name, new in job.state.items():
+            old = self._prev_state[name]
+            digest = checksum(new.data)
+            if np.array_equal(old.data, new.data):
+                entries.append(TensorEntry(name, new.dtype, new.shape, "same", digest))
+                continue
+            payload = codec.encode_tensor_delta(old.data, new.data, new.dtype, cfg.codec)
+            encoding = codec.payload_method(payload)
+            entries.append(TensorEntry(name, new.dtype, new.shape, encoding, digest, shard, buf.tell(), len(payload)))
+            buf.write(payload)
+            if buf.tell() > cfg.max_delta_fraction * raw_bytes:
+                return None
+        data = buf.getvalue() if buf.tell() > len(DELTA_SHARD_MAGIC) else b""
+        shards = [BlobEntry(shard, len(data), checksum(data))] if data else []
+        part = _Part(snapshot_id, job.step, cfg.rank, cfg.world_size, False, self._prev_id, entries, shards, [], job.metadata)
+        return part, data
+
+    async def _full_part(self, store: Store, job: _Job, snapshot_id: str) -> _Part:
+        cfg = self.config
+        shard = layout.shard_name(cfg.rank, cfg.world_size, "raw")
+        buf = io.BytesIO()
+        locations = await asyncio.to_thread(write_safetensors, buf, sorted(job.state.items()))
+        data = buf.getbuffer()
+        entries = [
+            TensorEntry(name, t.dtype, t.shape, "raw", checksum(t.data), shard, *locations[name])
+            for name, t in sorted(job.state.items())
+        ]
+        shard_entry = BlobEntry(shard, len(data), checksum(data))
+        await store.put(layout.shard_key(snapshot_id, shard), data)
+        files = []
+        if cfg.rank == 0:
+            for name, content in sorted(self.files.items()):
+                await store.put(layout.file_key(snapshot_id, name), content)
+                files.append(BlobEntry(name, len(content), checksum(content)))
+        return _Part(snapshot_id, job.step, cfg.rank, cfg.world_size, True, self._prev_id, entries, [shard_entry], files, job.metadata)
+
+
+def _layout_of(state: StateDict) -> dict[str, tuple[str, tuple[int, ...]]]:
+    return {name: (t.dtype, t.shape) for name, t in state.items()}
+
+
+# ---------------------------------------------------------------------- committing
+
+
+async def try_commit(store: Store, snapshot_id: str, world_size: int) -> Manifest | None:
+    """Commit ``snapshot_id`` if every rank's part is present; returns the manifest or None."""
+    keys = await store.list(layout.parts_prefix(snapshot_id))
+    if len(keys) < world_size:
+        return None
+    parts = [_Part.from_json(await store.get(layout.part_key(snapshot_id, r))) for r in range(world_size)]
+    return await commit(store, parts)
+
+
+async def commit(store: Store, parts: list[_Part]) -> Manifest:
+    """Merge parts into a manifest, write it after the shards, then move the head forward."""
+    first = parts[0]
+    if {p.snapshot_id for p in parts} != {first.snapshot_id} or {p.prev_snapshot_id for p in parts} != {first.prev_snapshot_id}:
+        raise ChainError(f"ranks disagree about snapshot {first.snapshot_id} or its predecessor")
+    if sorted(p.rank for p in parts) != list(range(first.world_size)):
+        raise ChainError(f"snapshot {first.snapshot_id} has parts from ranks {sorted(p.rank for p in parts)}")
+    is_base = all(p.full for p in parts)
+    prev_id = None if is_base else first.prev_snapshot_id
+    if prev_id is None and not is_base:
+        raise ChainError(f"delta {first.snapshot_id} has no predecessor")
+    reader = ChainReader(store)
+    base_id = first.snapshot_id
+    if not is_base:
+        assert prev_id is not None
+        try:
+            base_id = (await reader.manifest(prev_id)).base_snapshot_id
+        except NotFoundError:
+            # Another rank may still be committing the previous step; its parts are all here.
+            prev_world = first.world_size
+            committed = await try_commit(store, prev_id, prev_world)
+            if committed is None:
+                raise ChainError(f"cannot commit {first.snapshot_id}: previous snapshot {prev_id} is incomplete") from None
+            base_id = committed.base_snapshot_id
+    tensors = [t for p in parts for t in p.tensors]
+    metadata: dict[str, str] = {}
+    for p in parts:
+        metadata.update(p.metadata)
+    manifest = Manifest(
+        snapshot_id=first.snapshot_id,
+        step=first.step,
+        kind=KIND_BASE if is_base else KIND_DELTA,
+        prev_snapshot_id=prev_id,
+        base_snapshot_id=base_id,
+        tensors=tuple(sorted(tensors, key=lambda t: t.name)),
+        shards=tuple(s for p in parts for s in p.shards),
+        files=tuple(f for p in parts for f in p.files),
+        created_at=time.time(),
+        metadata=metadata,
+    )
+    Manifest.from_json(manifest.to_json())  # the same validation every reader applies
+    await store.put(layout.manifest_key(manifest.snapshot_id), manifest.to_json())
+    head = await reader.head()
+    if head is None or head.step < manifest.step:
+        await store.put(layout.HEAD_KEY, encode_head(manifest))
+    return manifest

@@ -1,0 +1,93 @@
+"""Rebuilding snapshots: fetch a snapshot's shards, decode its tensors, verify every checksum."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Callable
+
+import numpy as np
+
+from . import codec, layout
+from .chain import ChainReader
+from .checksum import checksum, verify
+from .errors import ChainError, ChecksumMismatchError, CorruptDataError
+from .manifest import Manifest
+from .stores import Store
+from .tensors import HostTensor, StateDict
+
+Progress = Callable[[int], None]
+
+
+async def fetch_shards(store: Store, manifest: Manifest, *, concurrency: int = 4, progress: Progress | None = None) -> dict[str, np.ndarray]:
+    """Download a snapshot's shards concurrently and verify each one's size and checksum."""
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(name: str, size: int, expected: str) -> tuple[str, np.ndarray]:
+        async with sem:
+            data = await store.get(layout.shard_key(manifest.snapshot_id, name))
+        if len(data) != size:
+            raise CorruptDataError(f"shard {name} of {manifest.snapshot_id} has {len(data)} bytes, expected {size}")
+        await asyncio.to_thread(verify, data, expected, f"shard {name} of {manifest.snapshot_id}")
+        if progress:
+            progress(size)
+        return name, np.frombuffer(data, dtype=np.uint8)
+
+    results = await asyncio.gather(*(one(s.name, s.size, s.checksum) for s in manifest.shards))
+    return dict(results)
+
+
+def apply_snapshot(prev: StateDict | None, manifest: Manifest, shards: dict[str, np.ndarray]) -> StateDict:
+    """The state after ``manifest``, given the state it was published against.
+
+    Pure and all-or-nothing: ``prev`` is never modified, and any corrupt payload or checksum
+    mismatch raises before a result exists. Unchanged tensors share ``prev``'s buffers.
+    """
+    if manifest.kind == "delta" and prev is None:
+        raise ChainError(f"delta {manifest.snapshot_id} needs the state of {manifest.prev_snapshot_id}")
+    state: StateDict = {}
+    for t in manifest.tensors:
+        old = prev.get(t.name) if prev is not None else None
+        if t.encoding in ("same", "delta"):
+            if old is None or old.dtype != t.dtype or old.shape != t.shape:
+                raise ChainError(f"{manifest.snapshot_id}: tensor {t.name} has no matching previous tensor")
+        if t.encoding == "same":
+            assert old is not None
+            if checksum(old.data) != t.checksum:
+                raise ChecksumMismatchError(f"{manifest.snapshot_id}: unchanged tensor {t.name} differs from the publisher's")
+            state[t.name] = old
+            continue
+        assert t.shard is not None
+        payload = shards[t.shard][t.offset : t.offset + t.length]
+        if t.encoding == "raw":
+            data = payload
+        else:
+            try:
+                data = codec.decode(old.data if old is not None else None, payload, t.dtype, t.nbytes)
+            except CorruptDataError as exc:
+                raise CorruptDataError(f"{manifest.snapshot_id}: tensor {t.name}: {exc}") from None
+            if t.encoding == "delta" and codec.payload_method(payload) != "delta":
+                raise CorruptDataError(f"{manifest.snapshot_id}: tensor {t.name} is marked delta but is not")
+        verify(data, t.checksum, f"tensor {t.name} of {manifest.snapshot_id}")
+        state[t.name] = HostTensor(t.dtype, t.shape, data)
+    return state
+
+
+async def rebuild(
+    store: Store,
+    snapshot_id: str | None = None,
+    *,
+    reader: ChainReader | None = None,
+    progress: Progress | None = None,
+) -> tuple[Manifest, StateDict, list[Manifest]]:
+    """Rebuild ``snapshot_id`` (default: the head) from its base; returns (manifest, state, path)."""
+    reader = reader or ChainReader(store)
+    target = snapshot_id or await reader.latest_id()
+    if target is None:
+        raise ChainError(f"store {store.url} has no snapshots")
+    path = await reader.path_to(target)
+    state: StateDict | None = None
+    for manifest in path:
+        shards = await fetch_shards(store, manifest, progress=progress)
+        state = await asyncio.to_thread(apply_snapshot, state, manifest, shards)
+    assert state is not None
+    return path[-1], state, path

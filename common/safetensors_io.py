@@ -1,0 +1,91 @@
+"""Plain safetensors files, written and parsed without torch (base shards and pulled checkpoints).
+
+Layout: u64 little-endian header length, a JSON header, then the tensor bytes. Offsets this
+module returns are absolute within the file, so a reader can fetch one tensor by range.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from typing import BinaryIO, Iterable
+
+import numpy as np
+
+from .dtypes import dtype_size
+from .errors import CorruptDataError
+from .tensors import HostTensor
+
+_ALIGN = 8
+MAX_HEADER_BYTES = 100 << 20
+
+
+def build_header(tensors: Iterable[tuple[str, HostTensor]], metadata: dict[str, str] | None = None) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """The encoded header and each tensor's absolute (offset, length) in the file."""
+    items = list(tensors)
+    doc: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    rel = 0
+    for name, t in items:
+        doc[name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [rel, rel + t.nbytes]}
+        rel += t.nbytes
+    header = json.dumps(doc, separators=(",", ":")).encode()
+    header += b" " * (-(len(header) + 8) % _ALIGN)
+    start = 8 + len(header)
+    locations, rel = {}, 0
+    for name, t in items:
+        locations[name] = (start + rel, t.nbytes)
+        rel += t.nbytes
+    return struct.pack("<Q", len(header)) + header, locations
+
+
+def write_safetensors(fh: BinaryIO, tensors: Iterable[tuple[str, HostTensor]], metadata: dict[str, str] | None = None) -> dict[str, tuple[int, int]]:
+    """Stream a safetensors file into ``fh``; returns absolute (offset, length) per tensor."""
+    items = list(tensors)
+    header, locations = build_header(items, metadata)
+    fh.write(header)
+    for _, t in items:
+        fh.write(memoryview(t.data))
+    return locations
+
+
+def parse_header(prefix: bytes | memoryview, file_size: int) -> dict[str, tuple[str, tuple[int, ...], int, int]]:
+    """Parse a safetensors header: name -> (dtype, shape, absolute offset, length).
+
+    ``prefix`` must hold at least the first ``8 + header length`` bytes of the file.
+    """
+    if len(prefix) < 8:
+        raise CorruptDataError("safetensors file is shorter than its length prefix")
+    (hlen,) = struct.unpack_from("<Q", prefix, 0)
+    if hlen > MAX_HEADER_BYTES or 8 + hlen > file_size:
+        raise CorruptDataError(f"safetensors header length {hlen} is out of bounds")
+    if len(prefix) < 8 + hlen:
+        raise CorruptDataError("safetensors header is truncated")
+    try:
+        doc = json.loads(bytes(prefix[8 : 8 + hlen]))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CorruptDataError(f"safetensors header is not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise CorruptDataError("safetensors header is not an object")
+    start = 8 + hlen
+    out = {}
+    for name, info in doc.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], tuple(int(d) for d in info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CorruptDataError(f"bad safetensors entry for {name}: {exc!r}") from None
+        if any(d < 0 for d in shape) or not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
+            raise CorruptDataError(f"bad safetensors entry for {name}")
+        if end - begin != math.prod(shape) * dtype_size(dtype) or start + end > file_size:
+            raise CorruptDataError(f"safetensors entry {name} has a wrong size or runs past the file")
+        out[name] = (dtype, shape, start + begin, end - begin)
+    return out
+
+
+def read_safetensors(data: bytes | memoryview | np.ndarray) -> dict[str, HostTensor]:
+    """Parse a whole safetensors file held in memory (tensors view ``data``; no copy)."""
+    buf = np.frombuffer(data, dtype=np.uint8)
+    entries = parse_header(memoryview(buf), buf.size)
+    return {name: HostTensor(dt, shape, buf[off : off + ln]) for name, (dt, shape, off, ln) in entries.items()}

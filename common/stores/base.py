@@ -1,0 +1,56 @@
+"""The store interface: a flat key -> bytes namespace with atomic whole-object writes.
+
+Backends (file, and later s3 and http) implement these few async methods; everything else
+(layout, manifests, chain walking) is built on top and knows nothing of the backend.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+
+from ..errors import StoreError
+
+_KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*(/[A-Za-z0-9_][A-Za-z0-9._-]*)*$")
+
+
+def check_key(key: str) -> str:
+    """Return ``key`` if it is a safe relative key (no '..', no absolute path, no odd characters)."""
+    if not isinstance(key, str) or len(key) > 1024 or not _KEY_RE.match(key) or ".." in key.split("/"):
+        raise StoreError(f"invalid store key {key!r}")
+    return key
+
+
+class Store(ABC):
+    """Async key-value object store. Writes of one key are atomic: readers see all or nothing."""
+
+    url: str
+
+    @abstractmethod
+    async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        """Bytes of ``key`` (``[start, end)`` if given); raises NotFoundError if absent."""
+
+    @abstractmethod
+    async def put(self, key: str, data: bytes | memoryview) -> None:
+        """Write ``key`` atomically, replacing any previous value."""
+
+    @abstractmethod
+    async def size(self, key: str) -> int | None:
+        """Size of ``key`` in bytes, or None if it does not exist."""
+
+    @abstractmethod
+    async def list(self, prefix: str) -> list[str]:
+        """Every key that starts with ``prefix``, sorted."""
+
+    @abstractmethod
+    async def delete(self, key: str) -> None:
+        """Remove ``key`` if present."""
+
+    async def exists(self, key: str) -> bool:
+        return await self.size(key) is not None
+
+    async def close(self) -> None:
+        """Release connections (no-op for local stores)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"

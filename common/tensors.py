@@ -1,0 +1,62 @@
+"""Host tensors: raw little-endian bytes plus dtype and shape, independent of any framework."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from .dtypes import dtype_of_numpy, dtype_of_torch, dtype_size, torch_dtype_of
+
+
+@dataclass(frozen=True)
+class HostTensor:
+    """A tensor held as raw bytes in host memory (``data`` is a 1-D uint8 array)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+    def __post_init__(self) -> None:
+        if self.data.dtype != np.uint8 or self.data.ndim != 1:
+            raise ValueError("HostTensor.data must be a 1-D uint8 array")
+        if self.data.size != math.prod(self.shape) * dtype_size(self.dtype):
+            raise ValueError(f"{self.data.size} bytes do not fit {self.dtype}{list(self.shape)}")
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.size)
+
+    def to_torch(self) -> Any:
+        """A torch tensor viewing a copy of these bytes (imports torch)."""
+        import torch
+
+        raw = torch.from_numpy(self.data.copy())
+        return raw.view(torch_dtype_of(self.dtype)).reshape(self.shape)
+
+
+StateDict = dict[str, HostTensor]
+
+
+def to_host(value: Any) -> HostTensor:
+    """Copy a torch tensor, numpy array or HostTensor into a new HostTensor.
+
+    The copy is taken now, so the caller may keep training and mutating its own tensor.
+    """
+    if isinstance(value, HostTensor):
+        return HostTensor(value.dtype, value.shape, value.data.copy())
+    if isinstance(value, np.ndarray):
+        arr = np.ascontiguousarray(value)
+        return HostTensor(dtype_of_numpy(arr.dtype), tuple(arr.shape), arr.reshape(-1).view(np.uint8).copy())
+    if type(value).__module__.startswith("torch"):
+        t = value.detach().to("cpu").contiguous()
+        raw = t.reshape(-1).view(__import__("torch").uint8).numpy().copy()
+        return HostTensor(dtype_of_torch(t.dtype), tuple(t.shape), raw)
+    raise TypeError(f"cannot publish a {type(value).__name__}; pass torch tensors or numpy arrays")
+
+
+def state_to_host(tensors: Mapping[str, Any]) -> StateDict:
+    """Copy a mapping of named tensors into host tensors."""
+    return {name: to_host(value) for name, value in tensors.items()}
