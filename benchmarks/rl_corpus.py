@@ -40,7 +40,7 @@ class CorpusConfig:
     vocab_size: int = 4096
     text_bytes: int = 2_000_000
     seq_len: int = 128
-    pretrain_steps: int = 150
+    pretrain_steps: int = 100
     pretrain_lr: float = 1e-3
     pretrain_batch: int = 8
     rl_batch: int = 8
@@ -136,7 +136,13 @@ def _pretrained(config: CorpusConfig, tokens: torch.Tensor, directory: Path) -> 
     return state
 
 
-def _rl_run(config: CorpusConfig, tokens: torch.Tensor, start: StateDict, lr: float, steps: int) -> list[StateDict]:
+def _bf16(model: torch.nn.Module) -> StateDict:
+    return {name: t.detach().to(torch.bfloat16).contiguous() for name, t in model.state_dict().items()}
+
+
+def _rl_run(
+    config: CorpusConfig, tokens: torch.Tensor, start: StateDict, lr: float, steps: int
+) -> list[StateDict]:
     """bf16 snapshots before and after each of ``steps`` AdamW steps at learning rate ``lr``."""
     model = _new_model(config)
     model.load_state_dict(start)
@@ -145,7 +151,7 @@ def _rl_run(config: CorpusConfig, tokens: torch.Tensor, start: StateDict, lr: fl
     snapshots: list[StateDict] = []
     for step in range(config.warmup_steps + steps):
         if step >= config.warmup_steps:
-            snapshots.append({n: t.detach().to(torch.bfloat16).contiguous() for n, t in model.state_dict().items()})
+            snapshots.append(_bf16(model))
         nll = _sequence_nll(model, _batch(tokens, config.rl_batch, config.seq_len, gen))
         advantages = torch.randn(nll.shape, generator=gen)
         advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-6)
@@ -154,7 +160,7 @@ def _rl_run(config: CorpusConfig, tokens: torch.Tensor, start: StateDict, lr: fl
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         optimizer.step()
-    snapshots.append({n: t.detach().to(torch.bfloat16).contiguous() for n, t in model.state_dict().items()})
+    snapshots.append(_bf16(model))
     return snapshots
 
 
@@ -165,7 +171,9 @@ def build_corpus(
 ) -> dict[float, list[Path]]:
     """Build (or reuse) the corpus; per lr, the paths of ``steps + 1`` consecutive bf16 checkpoints."""
     directory = cache_root() / _config_key(config)
-    wanted = {lr: [directory / f"lr{lr:g}" / f"step{i:04d}.safetensors" for i in range(steps + 1)] for lr in lrs}
+    wanted = {
+        lr: [directory / f"lr{lr:g}" / f"step{i:04d}.safetensors" for i in range(steps + 1)] for lr in lrs
+    }
     missing = [lr for lr, paths in wanted.items() if not all(p.exists() for p in paths)]
     if missing:
         tokens = _token_stream(config)

@@ -1,0 +1,79 @@
+"""The delta-swap command as a user runs it: publish, inspect, pull, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+CLI = [sys.executable, "-m", "delta_swap.cli"]
+
+
+def _run(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=300)
+    assert (proc.returncode == 0) == ok, proc.stderr
+    return proc
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    from delta_swap.tiny_model import make_tiny_model, perturb_weights
+
+    root = tmp_path_factory.mktemp("ckpt")
+    dirs = [make_tiny_model(root / "s0")]
+    for i in range(1, 4):
+        dirs.append(perturb_weights(dirs[-1], root / f"s{i}", seed=i))
+    return dirs
+
+
+def test_publish_inspect_pull_round_trip(tmp_path, checkpoints) -> None:
+    store = f"file://{tmp_path}/store"
+    for step, ckpt in enumerate(checkpoints):
+        out = _run("publish", str(ckpt), "--store", store, "--step", str(step * 10), "--base-every", "30").stdout
+        assert f"step {step * 10}" in out
+    rows = json.loads(_run("inspect", "--store", store, "--json").stdout)
+    assert [r["kind"] for r in rows] == ["base", "delta", "delta", "base"]
+    assert [r["step"] for r in rows] == [0, 10, 20, 30]
+    assert rows[0]["prev_snapshot_id"] is None and rows[1]["prev_snapshot_id"] == rows[0]["snapshot_id"]
+    for r in rows:
+        assert {"snapshot_id", "kind", "prev_snapshot_id", "step", "payload_bytes", "model_bytes"} <= set(r)
+        assert r["payload_bytes"] < 0.2 * r["model_bytes"] or r["kind"] == "base"
+    assert "delta" in _run("inspect", "--store", store).stdout
+
+    for snap, ckpt in ((rows[2]["snapshot_id"], checkpoints[2]), (None, checkpoints[3])):
+        out_dir = tmp_path / f"out-{snap}"
+        _run("pull", "--store", store, "--out", str(out_dir), "--quiet", *(["--snapshot", snap] if snap else []))
+        got, want = load_file(str(out_dir / "model.safetensors")), load_file(str(ckpt / "model.safetensors"))
+        assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+        for side in ("config.json", "tokenizer.json"):
+            assert (out_dir / side).read_bytes() == (ckpt / side).read_bytes()
+
+
+def test_bad_input_gives_one_line_errors(tmp_path, checkpoints) -> None:
+    cases = [
+        ("pull", "--store", str(tmp_path / "missing"), "--out", str(tmp_path / "o")),
+        ("publish", str(tmp_path / "no-such-dir"), "--store", str(tmp_path / "s"), "--step", "1"),
+        ("inspect", "--store", str(tmp_path / "missing")),
+    ]
+    for args in cases:
+        proc = _run(*args, ok=False)
+        assert proc.stderr.strip().count("\n") == 0 and "error:" in proc.stderr
+    store = tmp_path / "store"
+    _run("publish", str(checkpoints[0]), "--store", str(store), "--step", "0")
+    _run("publish", str(checkpoints[1]), "--store", str(store), "--step", "1")
+    shard = next((store / "snapshots" / "step-0000000001").glob("shard-*"))
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    proc = _run("pull", "--store", str(store), "--out", str(tmp_path / "o"), "--quiet", ok=False)
+    assert "checksum mismatch" in proc.stderr
+    assert not (tmp_path / "o" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("cmd", ["publish", "pull", "inspect"])
+def test_every_command_has_help(cmd) -> None:
+    assert "--store" in _run(cmd, "--help").stdout

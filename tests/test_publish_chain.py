@@ -1,0 +1,207 @@
+"""Publisher + rebuild: long chains with periodic bases, base triggers, and rejected stores."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_state_equal, rl_steps, run
+
+from delta_swap import layout
+from delta_swap.chain import ChainReader
+from delta_swap.errors import ChainError, ChecksumMismatchError, CorruptDataError, FormatVersionError
+from delta_swap.manifest import snapshot_id_for_step
+from delta_swap.publisher import Publisher, PublisherConfig, PublishError
+from delta_swap.rebuild import rebuild
+from delta_swap.stores import FileStore
+
+
+def _publish(store_dir, steps, **cfg) -> list[str]:
+    with Publisher(str(store_dir), PublisherConfig(**cfg), files={"config.json": b'{"a": 1}'}) as pub:
+        ids = [pub.publish(i, s) for i, s in enumerate(steps)]
+    return ids
+
+
+def test_chain_of_twelve_steps_rebuilds_every_snapshot_bit_exact(tmp_path) -> None:
+    steps = rl_steps(12)
+    ids = _publish(tmp_path, steps, base_every=5)
+    store = FileStore(tmp_path)
+    manifests = run(ChainReader(store).list())
+    assert [m.snapshot_id for m in manifests] == ids
+    assert [m.kind for m in manifests] == ["base" if i % 5 == 0 else "delta" for i in range(12)]
+    for m in manifests:
+        assert m.prev_snapshot_id == (None if m.kind == "base" else snapshot_id_for_step(m.step - 1))
+        assert m.base_snapshot_id == snapshot_id_for_step(m.step - m.step % 5)
+        if m.kind == "delta":
+            assert m.payload_bytes < 0.2 * m.model_bytes
+    for i, expected in enumerate(steps):
+        manifest, state, path = run(rebuild(store, ids[i]))
+        assert manifest.snapshot_id == ids[i] and path[0].kind == "base" and len(path) == i % 5 + 1
+        assert_state_equal(state, expected)
+    # The head names the newest snapshot; rebuild() without an id follows it.
+    assert run(rebuild(store))[0].snapshot_id == ids[-1]
+
+
+def test_shape_change_and_large_delta_force_a_base(tmp_path) -> None:
+    steps = rl_steps(4)
+    steps[2] = {**steps[2], "extra.bias": torch.zeros(8, dtype=torch.bfloat16)}  # tensor set changes
+    steps[3] = {k: v for k, v in steps[2].items()}
+    for name in ("embed.weight", "lm_head.weight"):  # most of the model rewritten
+        steps[3][name] = torch.randn(64, 32).to(torch.bfloat16)
+    with Publisher(str(tmp_path), PublisherConfig(max_delta_fraction=0.4)) as pub:
+        for i, s in enumerate(steps):
+            pub.publish(i, s)
+    kinds = [m.kind for m in run(ChainReader(FileStore(tmp_path)).list())]
+    assert kinds == ["base", "delta", "base", "base"]
+    assert_state_equal(run(rebuild(FileStore(tmp_path)))[1], steps[3])
+
+
+def test_publish_copies_tensors_so_training_can_continue(tmp_path) -> None:
+    w = {"w": torch.ones(64, dtype=torch.bfloat16)}
+    with Publisher(str(tmp_path)) as pub:
+        pub.publish(0, w)
+        w["w"] += 1  # the trainer mutates in place right after publishing
+    state = run(rebuild(FileStore(tmp_path)))[1]
+    assert torch.equal(state["w"].to_torch(), torch.ones(64, dtype=torch.bfloat16))
+
+
+def test_resume_continues_the_chain_from_the_store(tmp_path) -> None:
+    steps = rl_steps(6)
+    _publish(tmp_path, steps[:3], base_every=10)
+    with Publisher(str(tmp_path), PublisherConfig(base_every=10)) as pub:
+        for i in range(3, 6):
+            pub.publish(i, steps[i])
+    manifests = run(ChainReader(FileStore(tmp_path)).list())
+    assert [m.kind for m in manifests] == ["base"] + ["delta"] * 5
+    assert_state_equal(run(rebuild(FileStore(tmp_path)))[1], steps[5])
+
+
+def test_errors_surface_instead_of_being_swallowed(tmp_path) -> None:
+    steps = rl_steps(2)
+    _publish(tmp_path, steps[:2])
+    pub = Publisher(str(tmp_path))
+    pub.publish(1, steps[1])  # step 1 already in the store: fails in the background
+    with pytest.raises(PublishError, match="cannot publish step 1"):
+        pub.flush()
+    pub.close()
+    with pytest.raises(ValueError):
+        Publisher(str(tmp_path), PublisherConfig(rank=2, world_size=2))
+
+
+def test_steps_must_increase(tmp_path) -> None:
+    with Publisher(str(tmp_path)) as pub:
+        pub.publish(5, rl_steps(1)[0])
+        with pytest.raises(ValueError, match="not after"):
+            pub.publish(5, rl_steps(1)[0])
+
+
+# ------------------------------------------------------------------ rejected stores
+
+
+@pytest.fixture
+def chain(tmp_path):
+    steps = rl_steps(4)
+    ids = _publish(tmp_path, steps, base_every=100)
+    return tmp_path, ids, steps
+
+
+def _shard_path(root, snapshot_id):
+    store = FileStore(root)
+    manifest = run(ChainReader(store).manifest(snapshot_id))
+    return root / layout.shard_key(snapshot_id, manifest.shards[0].name)
+
+
+def test_truncated_shard_is_rejected(chain) -> None:
+    root, ids, _ = chain
+    path = _shard_path(root, ids[2])
+    path.write_bytes(path.read_bytes()[:-7])
+    with pytest.raises(CorruptDataError, match="bytes, expected"):
+        run(rebuild(FileStore(root), ids[3]))
+
+
+def test_flipped_bit_in_a_shard_is_rejected(chain) -> None:
+    root, ids, _ = chain
+    for sid in (ids[0], ids[2]):
+        path = _shard_path(root, sid)
+        original = path.read_bytes()
+        data = bytearray(original)
+        data[len(data) // 2] ^= 0x10
+        path.write_bytes(bytes(data))
+        with pytest.raises(ChecksumMismatchError):
+            run(rebuild(FileStore(root), ids[3]))
+        path.write_bytes(original)
+    run(rebuild(FileStore(root), ids[3]))
+
+
+def _edit_manifest(root, snapshot_id, edit) -> None:
+    path = root / layout.manifest_key(snapshot_id)
+    doc = json.loads(path.read_text())
+    edit(doc)
+    path.write_text(json.dumps(doc))
+
+
+def test_tampered_manifest_checksum_is_caught(chain) -> None:
+    """A consistent-looking shard whose tensor differs from the publisher's checksum."""
+    root, ids, _ = chain
+    def edit(doc):
+        doc["tensors"][1]["checksum"] = "xxh3_128:" + "0" * 32
+    _edit_manifest(root, ids[1], edit)
+    with pytest.raises(ChecksumMismatchError):
+        run(rebuild(FileStore(root), ids[3]))
+
+
+@pytest.mark.parametrize(
+    "edit, error, match",
+    [
+        (lambda d: d.update(format_version=99), FormatVersionError, "format version 99"),
+        (lambda d: d["tensors"][0].update(shard="../../etc/passwd"), CorruptDataError, "invalid shard"),
+        (lambda d: d["shards"][0].update(name="/abs/path"), CorruptDataError, "invalid shard"),
+        (lambda d: d["tensors"][0].update(shape=[2**40, 2**40]), CorruptDataError, "claims"),
+        (lambda d: d["tensors"][0].update(shape=[-1]), CorruptDataError, "invalid dimension"),
+        (lambda d: d["tensors"][0].update(length=2**50), CorruptDataError, "runs past"),
+        (lambda d: d["tensors"][0].update(dtype="Q99"), CorruptDataError, "unknown dtype"),
+        (lambda d: d.update(prev_snapshot_id="../x"), CorruptDataError, "invalid snapshot id"),
+        (lambda d: d.update(kind="weird"), CorruptDataError, "unknown snapshot kind"),
+    ],
+)
+def test_malformed_manifests_are_rejected(chain, edit, error, match) -> None:
+    root, ids, _ = chain
+    _edit_manifest(root, ids[2], edit)
+    with pytest.raises(error, match=match):
+        run(rebuild(FileStore(root), ids[3]))
+
+
+def test_missing_link_and_out_of_order_deltas_are_chain_errors(chain) -> None:
+    root, ids, _ = chain
+    store = FileStore(root)
+    (root / layout.manifest_key(ids[1])).unlink()
+    with pytest.raises(ChainError, match="not in the store"):
+        run(rebuild(store, ids[3]))
+    _edit_manifest(root, ids[3], lambda d: d.update(step=1))
+    with pytest.raises(ChainError, match="follows a later step"):
+        run(rebuild(FileStore(root), ids[3]))
+
+
+def test_delta_applied_to_the_wrong_state_fails_checksums(chain) -> None:
+    """Pointing a delta at another predecessor (a replayed or reordered delta) is caught."""
+    root, ids, steps = chain
+    _edit_manifest(root, ids[3], lambda d: d.update(prev_snapshot_id=ids[1]))
+    with pytest.raises((ChecksumMismatchError, ChainError)):
+        run(rebuild(FileStore(root), ids[3]))
+
+
+def test_base_shards_are_plain_safetensors(chain) -> None:
+    from safetensors.torch import load_file
+
+    root, ids, steps = chain
+    loaded = load_file(str(_shard_path(root, ids[0])))
+    assert set(loaded) == set(steps[0])
+    for k, v in steps[0].items():
+        assert torch.equal(loaded[k], v)
+    manifest = run(ChainReader(FileStore(root)).manifest(ids[0]))
+    raw = _shard_path(root, ids[0]).read_bytes()
+    for t in manifest.tensors:  # manifest offsets address the tensor bytes directly
+        assert np.array_equal(np.frombuffer(raw[t.offset : t.offset + t.length], np.uint8),
+                              steps[0][t.name].view(torch.uint8).reshape(-1).numpy())
