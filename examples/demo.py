@@ -1,7 +1,11 @@
-"""delta-swap demo: publish a few RL-like steps of a tiny generated model, pull, verify.
+"""delta-swap demo: a trainer publishes RL-like steps of a tiny model; a live vLLM server follows.
 
-Runs entirely on this machine: a local ``file://`` store, a tiny Llama-style model made on the
-spot, and the ``delta-swap`` CLI as a user would call it.
+Everything runs on this machine: a local ``file://`` store, a tiny Llama-style model generated on
+the spot, the ``delta-swap`` CLI, and a real vLLM server (CPU build) with the ``delta_swap``
+plugin that hot-swaps each new snapshot while it keeps answering requests.
+
+    python examples/demo.py            # the full demo
+    python examples/demo.py --no-engine  # store round trip only
 """
 
 from __future__ import annotations
@@ -11,12 +15,17 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+import httpx
 import torch
 from safetensors.torch import load_file
 
+from delta_swap.server_process import free_port, start_server
 from delta_swap.tiny_model import make_tiny_model, perturb_weights
+
+PROMPT = [5, 17, 99, 230, 41, 300, 301, 302]
 
 
 def cli(*args: str, show: bool = True) -> str:
@@ -27,20 +36,8 @@ def cli(*args: str, show: bool = True) -> str:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--workdir", help="where to put the model and the store (default: a temp dir)")
-    parser.add_argument("--steps", type=int, default=5)
-    args = parser.parse_args()
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="delta-swap-demo-"))
-    store = (work / "store").as_uri()
-
-    print(f"== generating a tiny Llama-style model in {work}")
-    checkpoints = [make_tiny_model(work / "step-0")]
-    for step in range(1, args.steps):
-        checkpoints.append(perturb_weights(checkpoints[-1], work / f"step-{step}", seed=step))
-
-    print(f"== publishing {args.steps} steps to {store} (a base, then deltas)")
+def store_round_trip(work: Path, store: str, checkpoints: list[Path]) -> None:
+    print(f"== publishing {len(checkpoints)} steps to {store} (a base, then deltas)")
     for step, ckpt in enumerate(checkpoints):
         cli("publish", str(ckpt), "--store", store, "--step", str(step))
     cli("inspect", "--store", store)
@@ -51,12 +48,66 @@ def main() -> None:
     cli("pull", "--store", store, "--out", str(out), "--quiet")
     got, want = load_file(str(out / "model.safetensors")), load_file(str(checkpoints[-1] / "model.safetensors"))
     same = set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
-    delta_bytes = sum(r["payload_bytes"] for r in rows if r["kind"] == "delta")
-    n_deltas = sum(r["kind"] == "delta" for r in rows)
-    print(f"bit-exact: {same}; average delta: {100 * delta_bytes / max(1, n_deltas) / rows[0]['model_bytes']:.2f}% "
-          f"of the model")
+    deltas = [r for r in rows if r["kind"] == "delta"]
+    avg = sum(r["payload_bytes"] for r in deltas) / max(1, len(deltas)) / rows[0]["model_bytes"]
+    print(f"bit-exact: {same}; average delta: {100 * avg:.2f}% of the model\n")
     if not same:
         sys.exit("demo failed: pulled tensors differ")
+
+
+def generate(url: str) -> dict:
+    body = {"model": "tiny", "token_ids": PROMPT, "sampling_params": {"max_tokens": 8, "temperature": 0.0}}
+    return httpx.post(f"{url}/inference/v1/generate", json=body, timeout=120).json()["choices"][0]
+
+
+def live_swap(work: Path, store: str, checkpoints: list[Path]) -> None:
+    print("== starting vLLM with the delta_swap plugin, following a store that holds step 0")
+    cli("publish", str(checkpoints[0]), "--store", store, "--step", "0", show=False)
+    port = free_port()
+    env = {"VLLM_PLUGINS": "delta_swap", "DELTA_SWAP_STORE": store, "DELTA_SWAP_POLL_INTERVAL": "0.5",
+           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(work / "vllm-cache"), "HF_HUB_OFFLINE": "1"}
+    argv = ["-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoints[0]), "--port", str(port),
+            "--served-model-name", "tiny", "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "1024",
+            "--enable-scale-out", "--weight-transfer-config", '{"backend": "delta_swap"}']
+    print("$ " + " ".join(f"{k}={v}" for k, v in env.items() if k.startswith(("VLLM_PLUGINS", "DELTA"))) +
+          " python " + " ".join(argv[:4]) + " ... --weight-transfer-config '{\"backend\": \"delta_swap\"}'")
+    server = start_server(argv, env, work / "vllm.log", port)
+    try:
+        status_url = f"{server.url}/delta_swap/status"
+        for step, ckpt in enumerate(checkpoints):
+            if step:  # the trainer publishes the next step while the server keeps serving
+                cli("publish", str(ckpt), "--store", store, "--step", str(step), show=False)
+            deadline = time.monotonic() + 120
+            while (st := httpx.get(status_url, timeout=30).json())["current_step"] != step:
+                if time.monotonic() > deadline:
+                    sys.exit(f"demo failed: server did not reach step {step}: {st}")
+                time.sleep(0.2)
+            out = generate(server.url)
+            timings = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in st["last_update_timings_s"].items())
+            print(f"step {step}: serving {st['current_snapshot_id']}  tokens {out['token_ids']}  "
+                  f"tagged {out['weight_versions'][0]['version']}\n          last update: {timings}")
+        print(f"\n$ curl {status_url}\n{json.dumps(httpx.get(status_url).json(), indent=1)}")
+    finally:
+        server.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", help="where to put the model and the store (default: a temp dir)")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--no-engine", action="store_true", help="skip the live vLLM part")
+    args = parser.parse_args()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="delta-swap-demo-"))
+
+    print(f"== generating a tiny Llama-style model and {args.steps - 1} RL-like updates in {work}")
+    checkpoints = [make_tiny_model(work / "step-0")]
+    for step in range(1, args.steps):
+        checkpoints.append(perturb_weights(checkpoints[-1], work / f"step-{step}", seed=step))
+
+    store_round_trip(work, (work / "store").as_uri(), checkpoints)
+    if not args.no_engine:
+        live_swap(work, (work / "live-store").as_uri(), checkpoints)
+        print("demo ok: every step was hot-swapped into the running server")
 
 
 if __name__ == "__main__":

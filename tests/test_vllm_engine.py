@@ -18,11 +18,13 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from engine_server import Server, free_port, start_server
 from safetensors.torch import load_file
 
 from delta_swap import layout
+from delta_swap.chain import encode_head
+from delta_swap.manifest import Manifest
 from delta_swap.publisher import Publisher, PublisherConfig
+from delta_swap.server_process import free_port, start_server
 from delta_swap.tiny_model import make_tiny_model, perturb_weights
 
 pytestmark = pytest.mark.engine
@@ -160,6 +162,13 @@ def _stage_tampered(store: Path, scratch: Path, step: int, model: Path, tamper) 
     shutil.copy(scratch / "HEAD", store / "HEAD")
 
 
+def _drop(store: Path, step: int, head_step: int) -> None:
+    """Remove a snapshot again and point HEAD back at ``head_step``."""
+    shutil.rmtree(store / "snapshots" / f"step-{step:010d}")
+    manifest = Manifest.from_json((store / layout.manifest_key(f"step-{head_step:010d}")).read_bytes())
+    (store / layout.HEAD_KEY).write_bytes(encode_head(manifest))
+
+
 def test_corrupt_missing_or_out_of_order_deltas_never_reach_the_model(live, models, references, tmp_path) -> None:
     server, store = live
     before = status(server.url)["failures"]
@@ -177,34 +186,36 @@ def test_corrupt_missing_or_out_of_order_deltas_never_reach_the_model(live, mode
     assert greedy(server.url) == references["D"]  # still serving the last good weights
 
     # Out of order: a delta that claims to follow step 2 although the server is at 3.
-    shutil.rmtree(store / "snapshots" / "step-0000000004")
+    _drop(store, 4, head_step=3)
+
     def reorder(snapshot: Path) -> None:
         manifest = snapshot / "manifest.json"
         doc = json.loads(manifest.read_text())
         doc["prev_snapshot_id"] = "step-0000000002"
         manifest.write_text(json.dumps(doc))
+
     before = status(server.url)["failures"]
-    _stage_tampered(store, tmp_path / "s2", 4, models["E"], reorder)
+    _stage_tampered(store, tmp_path / "s2", 5, models["E"], reorder)
     st = wait_for(server.url, lambda s: s["failures"] > before)
     assert st["current_step"] == 3 and "Checksum" in st["last_error"]
+    _drop(store, 5, head_step=3)
 
-    # Missing link: step 6 arrives but step 5 never does.
-    shutil.rmtree(store / "snapshots" / "step-0000000004")
+    # Missing link: step 7 arrives but step 6 never does.
     scratch = tmp_path / "s3"
     shutil.copytree(store, scratch)
-    publish_dirs(scratch, [(5, models["E"]), (6, models["D"])])
+    publish_dirs(scratch, [(6, models["E"]), (7, models["D"])])
     before = status(server.url)["failures"]
-    shutil.copytree(scratch / "snapshots" / "step-0000000006", store / "snapshots" / "step-0000000006")
+    shutil.copytree(scratch / "snapshots" / "step-0000000007", store / "snapshots" / "step-0000000007")
     shutil.copy(scratch / "HEAD", store / "HEAD")
     st = wait_for(server.url, lambda s: s["failures"] > before)
-    assert st["current_step"] == 3 and "step-0000000005" in st["last_error"]
+    assert st["current_step"] == 3 and "step-0000000006" in st["last_error"]
     assert greedy(server.url) == references["D"]
 
     # Once the missing delta shows up the server catches up on its own.
-    shutil.copytree(scratch / "snapshots" / "step-0000000005", store / "snapshots" / "step-0000000005")
-    st = wait_for(server.url, lambda s: s["current_step"] == 6)
+    shutil.copytree(scratch / "snapshots" / "step-0000000006", store / "snapshots" / "step-0000000006")
+    st = wait_for(server.url, lambda s: s["current_step"] == 7)
     assert st["last_error"] is None
-    assert greedy(server.url) == references["D"]  # step 6 holds D's weights again
+    assert greedy(server.url) == references["D"]  # step 7 holds D's weights again
 
 
 def test_resync_reloads_the_base_and_replays_the_chain(live, references) -> None:
@@ -212,7 +223,7 @@ def test_resync_reloads_the_base_and_replays_the_chain(live, references) -> None
     r = httpx.post(f"{server.url}/delta_swap/resync", timeout=300)
     assert r.status_code == 200, r.text
     st = r.json()
-    assert st["resynced"] and st["current_step"] == 6
+    assert st["resynced"] and st["current_step"] == 7
     assert st["last_update_path"][0] == "step-0000000000"  # from the full base
     assert greedy(server.url) == references["D"]
 
@@ -223,13 +234,13 @@ def test_in_flight_requests_finish_on_one_weight_version_in_wait_mode(live, mode
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(generate, server.url, PROMPTS[i % 3], 120) for i in range(4)]
         time.sleep(0.5)
-        publish_dirs(store, [(7, models["B"])])
+        publish_dirs(store, [(8, models["B"])])
         results = [f.result() for f in futures]
-    wait_for(server.url, lambda s: s["current_step"] == 7)
+    wait_for(server.url, lambda s: s["current_step"] == 8)
     for out in results:
         assert len(out["token_ids"]) == 120
         assert len(out["weight_versions"]) == 1, out["weight_versions"]
-    assert generate(server.url, PROMPTS[0])["weight_versions"][0]["version"] == "step-0000000007"
+    assert generate(server.url, PROMPTS[0])["weight_versions"][0]["version"] == "step-0000000008"
 
 
 def test_fifty_swaps_under_steady_load_without_a_failed_request(live, models) -> None:
@@ -255,7 +266,7 @@ def test_fifty_swaps_under_steady_load_without_a_failed_request(live, models) ->
     try:
         with Publisher(str(store), PublisherConfig(base_every=20)) as pub:
             for i in range(50):
-                step = 8 + i
+                step = 9 + i
                 for name, w in weights.items():  # an RL-sized nudge: a few ULPs on ~2% of elements
                     mask = torch.rand(w.shape, generator=gen) < 0.02
                     bits = w.view(torch.int16)

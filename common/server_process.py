@@ -1,4 +1,7 @@
-"""Start and stop real inference servers (vLLM, SGLang) as subprocesses for the engine tests."""
+"""Run an inference server (vLLM, SGLang) as a child process and wait until it is healthy.
+
+Used by the demo, the engine tests and the benchmarks; engine-agnostic: it runs a command.
+"""
 
 from __future__ import annotations
 
@@ -45,7 +48,8 @@ class Server:
 
 
 def start_server(argv: list[str], env: dict[str, str], log_path: Path, port: int, timeout_s: float = 300) -> Server:
-    """Run ``python argv...`` in its own process group and wait until GET /health answers 200."""
+    """Run ``python argv...`` (this interpreter) in its own process group, with ``env`` added,
+    and wait until ``GET /health`` on ``port`` answers 200."""
     log = open(log_path, "wb")
     proc = subprocess.Popen([sys.executable, *argv], env={**os.environ, **env}, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
