@@ -47,11 +47,13 @@ class Server:
                 self.proc.wait(10)
 
 
-def start_server(argv: list[str], env: dict[str, str], log_path: Path, port: int, timeout_s: float = 300) -> Server:
-    """Run ``python argv...`` (this interpreter) in its own process group, with ``env`` added,
-    and wait until ``GET /health`` on ``port`` answers 200."""
+def start_server(
+    argv: list[str], env: dict[str, str], log_path: Path, port: int, timeout_s: float = 300, python: str | None = None
+) -> Server:
+    """Run ``python argv...`` (default: this interpreter) in its own process group, with ``env``
+    added, and wait until ``GET /health`` on ``port`` answers 200."""
     log = open(log_path, "wb")
-    proc = subprocess.Popen([sys.executable, *argv], env={**os.environ, **env}, stdout=log,
+    proc = subprocess.Popen([python or sys.executable, *argv], env={**os.environ, **env}, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
     server = Server(f"http://127.0.0.1:{port}", proc, log_path)
     deadline = time.monotonic() + timeout_s
