@@ -38,13 +38,20 @@ class ChainReader:
     def __init__(self, store: Store) -> None:
         self.store = store
         self._manifests: dict[str, Manifest] = {}
+        self._head: Head | None = None
+        self._head_etag: str | None = None
 
     async def head(self) -> Head | None:
-        """The head pointer, or None for an empty store."""
+        """The head pointer, or None for an empty store (a conditional read when it can be)."""
         try:
-            return decode_head(await self.store.get(layout.HEAD_KEY))
+            changed = await self.store.get_if_changed(layout.HEAD_KEY, self._head_etag)
         except NotFoundError:
+            self._head = self._head_etag = None
             return None
+        if changed is not None:
+            data, self._head_etag = changed
+            self._head = decode_head(data)
+        return self._head
 
     async def manifest(self, snapshot_id: str) -> Manifest:
         """The validated manifest of ``snapshot_id``; NotFoundError if it is not committed."""
@@ -63,8 +70,16 @@ class ChainReader:
         return [k.split("/")[1] for k in keys if k.count("/") == 2 and k.endswith("/manifest.json")]
 
     async def list(self) -> list[Manifest]:
-        """Every committed snapshot, oldest step first."""
-        manifests = [await self.manifest(i) for i in await self.snapshot_ids()]
+        """Every committed snapshot, oldest step first.
+
+        On stores that cannot list (plain HTTP), the chain from the head back to its base.
+        """
+        try:
+            ids = await self.snapshot_ids()
+        except NotImplementedError:
+            head = await self.head()
+            return [] if head is None else await self.path_to(head.snapshot_id)
+        manifests = [await self.manifest(i) for i in ids]
         return sorted(manifests, key=lambda m: (m.step, m.kind != "base"))
 
     async def latest_id(self) -> str | None:

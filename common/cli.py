@@ -103,10 +103,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 async def _list(url: str) -> list[Manifest]:
     store = open_store(url)
     try:
-        reader = ChainReader(store)
-        if not await reader.snapshot_ids() and await reader.head() is None:
+        manifests = await ChainReader(store).list()
+        if not manifests:
             raise NotFoundError(f"no snapshots in store {url}")
-        return await reader.list()
+        return manifests
     finally:
         await store.close()
 

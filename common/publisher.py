@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import logging
 import queue
 import threading
 import time
@@ -35,6 +36,7 @@ from .stores import Store, open_store
 from .tensors import StateDict, state_to_host
 
 DELTA_SHARD_MAGIC = b"DSWPSHD1"
+log = logging.getLogger("delta_swap.publisher")
 
 
 class PublishError(DeltaSwapError):
@@ -54,6 +56,9 @@ class PublisherConfig:
     max_pending: int = 2
     #: Continue the chain already in the store (rebuilding its head) instead of starting a base.
     resume: bool = True
+    #: URLs POSTed ``{"snapshot_id", "step"}`` after each commit (e.g. servers' /delta_swap/notify);
+    #: best effort, since servers also poll.
+    notify_urls: tuple[str, ...] = ()
     codec: codec.CodecConfig = field(default_factory=codec.CodecConfig)
 
 
@@ -213,10 +218,12 @@ class Publisher:
         if cadence or cfg.world_size == 1 and part.full:
             self._last_base_step = job.step
         if cfg.world_size == 1:
-            await commit(store, [part])
+            committed: Manifest | None = await commit(store, [part])
         else:
             await store.put(layout.part_key(snapshot_id, cfg.rank), part.to_json())
-            await try_commit(store, snapshot_id, cfg.world_size)
+            committed = await try_commit(store, snapshot_id, cfg.world_size)
+        if committed is not None and cfg.notify_urls:
+            await notify(cfg.notify_urls, committed)
         self._prev_state, self._prev_id = job.state, snapshot_id
         self.published.append(snapshot_id)
 
@@ -283,6 +290,18 @@ def _layout_of(state: StateDict) -> dict[str, tuple[str, tuple[int, ...]]]:
 
 
 # ---------------------------------------------------------------------- committing
+
+
+async def notify(urls: tuple[str, ...], manifest: Manifest, timeout_s: float = 2.0) -> None:
+    """Tell servers about a new snapshot; failures are logged, never raised (they also poll)."""
+    import httpx
+
+    body = {"snapshot_id": manifest.snapshot_id, "step": manifest.step}
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+        results = await asyncio.gather(*(client.post(url, json=body) for url in urls), return_exceptions=True)
+    for url, result in zip(urls, results):
+        if isinstance(result, BaseException) or result.status_code >= 400:
+            log.warning("delta-swap: notifying %s failed: %s", url, result)
 
 
 async def try_commit(store: Store, snapshot_id: str, world_size: int) -> Manifest | None:

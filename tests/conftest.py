@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from delta_swap.engine_adapter import EngineAdapter, StagedSnapshot
+
 
 def rl_steps(n_steps: int, *, seed: int = 0, lr: float = 2e-5, shapes: dict | None = None) -> list[dict[str, torch.Tensor]]:
     """bf16 snapshots of fp32 master weights nudged a little each step, as an RL optimizer does."""
@@ -46,3 +48,21 @@ def tiny_model(tmp_path_factory) -> Path:
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1234)
+
+
+class RecordingEngine(EngineAdapter):
+    """Holds the tensors it was given, as an engine would; can be told to fail once."""
+
+    def __init__(self) -> None:
+        self.weights: dict = {}
+        self.swaps: list[StagedSnapshot] = []
+        self.fail_next = False
+
+    async def swap(self, staged: StagedSnapshot) -> dict[str, float]:
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("engine refused")
+        for name in staged.changed:
+            self.weights[name] = staged.state[name]
+        self.swaps.append(staged)
+        return {"pause": 0.0, "swap": 0.0}

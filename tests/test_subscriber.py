@@ -11,30 +11,11 @@ import asyncio
 import json
 
 import pytest
-from conftest import assert_state_equal, rl_steps
+from conftest import RecordingEngine, assert_state_equal, rl_steps
 
 from delta_swap import layout
-from delta_swap.engine_adapter import EngineAdapter, StagedSnapshot
 from delta_swap.publisher import Publisher, PublisherConfig
 from delta_swap.subscriber import Subscriber, SubscriberConfig
-
-
-class RecordingEngine(EngineAdapter):
-    """Holds the tensors it was given, as an engine would; can be told to fail once."""
-
-    def __init__(self) -> None:
-        self.weights: dict = {}
-        self.swaps: list[StagedSnapshot] = []
-        self.fail_next = False
-
-    async def swap(self, staged: StagedSnapshot) -> dict[str, float]:
-        if self.fail_next:
-            self.fail_next = False
-            raise RuntimeError("engine refused")
-        for name in staged.changed:
-            self.weights[name] = staged.state[name]
-        self.swaps.append(staged)
-        return {"pause": 0.0, "swap": 0.0}
 
 
 def _publish(root, steps, start=0, **cfg):

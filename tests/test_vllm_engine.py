@@ -137,6 +137,9 @@ def test_swap_matches_a_fresh_server_with_no_stale_prefix_kv(live, models, refer
     assert greedy(server.url) == references["B"]
     out = generate(server.url, PROMPTS[0])
     assert out["weight_versions"] == [{"version": "step-0000000001", "start": 0, "end": 12}]
+    metrics = httpx.get(f"{server.url}/metrics", timeout=30).text  # next to vLLM's own metrics
+    assert "delta_swap_current_step 1.0" in metrics and "vllm:" in metrics
+    assert 'delta_swap_phase_seconds_count{phase="swap"}' in metrics
 
 
 def test_a_chain_of_deltas_is_applied_in_order(live, models, references) -> None:
@@ -183,6 +186,7 @@ def test_corrupt_missing_or_out_of_order_deltas_never_reach_the_model(live, mode
     st = wait_for(server.url, lambda s: s["failures"] > before)
     assert st["current_step"] == 3 and st["newest_step"] == 4 and st["staleness_steps"] == 1
     assert "ChecksumMismatchError" in st["last_error"]
+    assert 'delta_swap_failures_total{kind="checksum"}' in httpx.get(f"{server.url}/metrics", timeout=30).text
     assert greedy(server.url) == references["D"]  # still serving the last good weights
 
     # Out of order: a delta that claims to follow step 2 although the server is at 3.
@@ -220,6 +224,7 @@ def test_corrupt_missing_or_out_of_order_deltas_never_reach_the_model(live, mode
 
 def test_resync_reloads_the_base_and_replays_the_chain(live, references) -> None:
     server, _ = live
+    assert httpx.post(f"{server.url}/delta_swap/notify", json={"snapshot_id": "x"}, timeout=30).status_code == 202
     r = httpx.post(f"{server.url}/delta_swap/resync", timeout=300)
     assert r.status_code == 200, r.text
     st = r.json()

@@ -25,11 +25,27 @@ def _open_file(url: str, create: bool) -> Store:
     return FileStore(path, create=create)
 
 
+def _open_s3(url: str, create: bool) -> Store:
+    from .s3 import S3Store
+
+    return S3Store(url)
+
+
+def _open_http(url: str, create: bool) -> Store:
+    from .http import HttpStore
+
+    return HttpStore(url)
+
+
 register_backend("file", _open_file)
+register_backend("s3", _open_s3)
+register_backend("http", _open_http)
+register_backend("https", _open_http)
 
 
 def open_store(url: str, *, create: bool = False) -> Store:
-    """Open the store at ``url`` (``file://...`` or a plain path; more schemes as registered).
+    """Open the store at ``url``: ``file://...`` or a plain path, ``s3://bucket/prefix``,
+    ``http(s)://...`` (read only), or any scheme added with :func:`register_backend`.
 
     With ``create=False`` a missing local store raises NotFoundError instead of being made.
     """

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 
+import xxhash
+
 from ..errors import StoreError
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*(/[A-Za-z0-9_][A-Za-z0-9._-]*)*$")
@@ -45,6 +47,16 @@ class Store(ABC):
     @abstractmethod
     async def delete(self, key: str) -> None:
         """Remove ``key`` if present."""
+
+    async def get_if_changed(self, key: str, etag: str | None) -> tuple[bytes, str] | None:
+        """``(data, etag)`` of ``key``, or None when it still matches ``etag``.
+
+        Backends with conditional requests (S3, HTTP) override this so an unchanged head
+        pointer costs no body transfer; this default compares a content hash.
+        """
+        data = await self.get(key)
+        tag = xxhash.xxh3_64_hexdigest(data)
+        return None if tag == etag else (data, tag)
 
     async def exists(self, key: str) -> bool:
         return await self.size(key) is not None

@@ -1,0 +1,304 @@
+"""S3 (aiobotocore against moto's real S3 server) and HTTP (httpx against aiohttp's static file
+server) stores, with faults injected on the wire by a proxy in front of each server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing as mp
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import xxhash
+from conftest import RecordingEngine, assert_state_equal, rl_steps, run
+from fault_proxy import Fault, LoopThread, start_proxy, start_static_server
+
+from delta_swap.chain import ChainReader
+from delta_swap.errors import NotFoundError, StoreError
+from delta_swap.publisher import Publisher, PublisherConfig
+from delta_swap.rebuild import rebuild
+from delta_swap.retry import RetryPolicy
+from delta_swap.stores import open_store
+from delta_swap.stores.http import HttpConfig, HttpStore
+from delta_swap.stores.s3 import S3Config, S3Store
+from delta_swap.subscriber import Subscriber, SubscriberConfig
+
+FAST_RETRY = RetryPolicy(attempts=6, base_delay_s=0.01, max_delay_s=0.05, timeout_s=2.0)
+
+
+@pytest.fixture(scope="module")
+def loop_thread():
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+@pytest.fixture(scope="module")
+def moto(loop_thread):
+    """moto's S3 server on loopback, reached through a fault proxy (endpoint from AWS env vars)."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    proxy = start_proxy(loop_thread, f"http://{host}:{port}")
+    env = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL_S3": proxy.url}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    import boto3
+
+    boto3.client("s3", endpoint_url=f"http://{host}:{port}").create_bucket(Bucket="rl-snapshots")
+    yield proxy
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    server.stop()
+
+
+@pytest.fixture
+def s3(moto, request):
+    """A fresh prefix per test, fault list cleared."""
+    moto.clear()
+    return f"s3://rl-snapshots/{request.node.name.replace('[', '-').replace(']', '')}"
+
+
+def _s3(url: str, **cfg) -> S3Store:
+    return S3Store(url, S3Config(retry=FAST_RETRY, **cfg))
+
+
+def test_s3_store_round_trip_multipart_and_ranges(s3, moto) -> None:
+    big = os.urandom(13 << 20)
+
+    async def go():
+        store = _s3(s3, part_size=5 << 20, multipart_threshold=6 << 20)
+        await store.put("a/small", b"hello")
+        await store.put("a/big", big)
+        assert await store.get("a/small") == b"hello"
+        assert await store.get("a/big") == big
+        assert await store.get("a/big", 7, (5 << 20) + 3) == big[7 : (5 << 20) + 3]
+        assert await store.size("a/big") == len(big) and await store.size("nope") is None
+        assert await store.list("a/") == ["a/big", "a/small"]
+        with pytest.raises(NotFoundError):
+            await store.get("missing")
+        await store.delete("a/small")
+        assert await store.list("a/") == ["a/big"]
+        await store.close()
+
+    run(go())
+    methods = [(m, p) for m, p, _ in moto.log]
+    assert any("uploadId" in p or m == "POST" for m, p in methods)  # multipart was used
+    assert sum(1 for m, p, s in moto.log if m == "GET" and p.endswith("a/big") and s == 206) >= 3  # parallel ranges
+
+
+def test_s3_head_reads_are_conditional(s3, moto) -> None:
+    async def go():
+        store = _s3(s3)
+        await store.put("HEAD", b'{"snapshot_id": "step-0000000001", "step": 1}')
+        first = await store.get_if_changed("HEAD", None)
+        assert first is not None
+        assert await store.get_if_changed("HEAD", first[1]) is None
+        await store.put("HEAD", b'{"snapshot_id": "step-0000000002", "step": 2}')
+        assert (await store.get_if_changed("HEAD", first[1]))[0].startswith(b'{"snapshot_id": "step-0000000002"')
+        await store.close()
+
+    run(go())
+    assert any(s == 304 for m, p, s in moto.log if p.endswith("/HEAD"))
+
+
+def _publish(url: str, steps, start: int = 0, **cfg) -> None:
+    with Publisher(url, PublisherConfig(base_every=100, **cfg)) as pub:
+        for i, s in enumerate(steps):
+            pub.publish(start + i, s)
+
+
+def test_publish_and_rebuild_over_s3(s3) -> None:
+    steps = rl_steps(5)
+    _publish(s3, steps)
+    store = open_store(s3)
+    manifests = run(ChainReader(store).list())
+    assert [m.kind for m in manifests] == ["base"] + ["delta"] * 4
+    assert_state_equal(run(rebuild(open_store(s3)))[1], steps[-1])
+
+
+# A fault matrix: each case ends with the right snapshot applied or the last good one kept.
+TRANSIENT = {
+    "5xx burst": [Fault("status", path="shard-", times=3, status=503)],
+    "throttled": [Fault("status", path="manifest", times=2, status=503)],
+    "timeout": [Fault("delay", path="shard-", delay_s=3.0)],
+    "truncated body": [Fault("truncate", path="shard-", times=2)],
+    "dropped connection": [Fault("drop", path="shard-", times=2)],
+}
+
+
+@pytest.mark.parametrize("case", sorted(TRANSIENT))
+def test_s3_transient_faults_end_with_the_new_snapshot(s3, moto, case) -> None:
+    steps = rl_steps(3)
+    _publish(s3, steps[:2])
+    engine = RecordingEngine()
+
+    async def go():
+        sub = Subscriber(SubscriberConfig(s3), engine, store=_s3(s3))
+        assert await sub.sync() and sub.current.step == 1
+        _publish(s3, steps[2:], start=2)
+        moto.add(*[Fault(**vars(f)) for f in TRANSIENT[case]])
+        assert await sub.sync(), sub.status()["last_error"]
+        assert sub.current.step == 2 and sub.status()["last_error"] is None
+        await sub.stop()
+
+    run(go())
+    assert not moto.faults, "every injected fault was hit"
+    assert_state_equal(engine.weights, steps[2])
+
+
+def test_s3_missing_shard_and_head_ahead_of_its_shards_keep_the_last_good(s3, moto) -> None:
+    steps = rl_steps(3)
+    _publish(s3, steps[:2])
+    engine = RecordingEngine()
+
+    async def go():
+        sub = Subscriber(SubscriberConfig(s3), engine, store=_s3(s3))
+        await sub.sync()
+        _publish(s3, steps[2:], start=2)
+        # The head names a snapshot whose shard is not visible yet (eventual listing, a slow copy...).
+        moto.add(Fault("missing", path="step-0000000002/shard-", method="*", times=100))
+        assert not await sub.sync()
+        st = sub.status()
+        assert st["current_step"] == 1 and st["newest_step"] == 2 and "not found" in st["last_error"]
+        assert len(engine.swaps) == 1
+        moto.clear()  # the shard becomes visible
+        assert await sub.sync() and sub.current.step == 2
+        await sub.stop()
+
+    run(go())
+    assert_state_equal(engine.weights, steps[2])
+
+
+def test_a_dead_store_fails_fast_and_keeps_serving(s3, moto) -> None:
+    steps = rl_steps(2)
+    _publish(s3, steps[:1])
+    engine = RecordingEngine()
+
+    async def go():
+        sub = Subscriber(SubscriberConfig(s3), engine, store=_s3(s3))
+        await sub.sync()
+        moto.add(Fault("status", path=".*", method="*", times=1000, status=500))
+        assert not await sub.sync()
+        assert sub.current.step == 0 and "failed after 6 attempts" in sub.status()["last_error"]
+        await sub.stop()
+
+    run(go())
+    assert len(engine.swaps) == 1
+
+
+# ---------------------------------------------------------------------- HTTP
+
+
+@pytest.fixture
+def http_store(tmp_path, loop_thread):
+    """A file store published to directly, served read-only by aiohttp, behind a fault proxy."""
+    root = tmp_path / "bucket"
+    root.mkdir()
+    proxy = start_proxy(loop_thread, start_static_server(loop_thread, root))
+    return root, proxy
+
+
+def test_http_store_follows_a_chain_through_faults(http_store) -> None:
+    root, proxy = http_store
+    steps = rl_steps(4)
+    _publish(str(root), steps[:2])
+    engine = RecordingEngine()
+    store = HttpStore(proxy.url, HttpConfig(retry=FAST_RETRY, part_size=1024))
+
+    async def go():
+        sub = Subscriber(SubscriberConfig(proxy.url), engine, store=store)
+        assert await sub.sync() and sub.current.step == 1
+        _publish(str(root), steps[2:], start=2)
+        proxy.add(Fault("status", path="shard-", times=2, status=502), Fault("truncate", path="shard-"),
+                  Fault("drop", path="manifest"))
+        assert await sub.sync() and sub.current.step == 3, sub.status()
+        assert not await sub.sync()  # unchanged head: answered 304
+        manifests = await ChainReader(store).list()  # no listing over HTTP: walks back from HEAD
+        assert [m.step for m in manifests] == [0, 1, 2, 3]
+        with pytest.raises(StoreError, match="read-only"):
+            await store.put("x", b"1")
+        await sub.stop()
+
+    run(go())
+    assert_state_equal(engine.weights, steps[3])
+    assert any(s == 206 for _, _, s in proxy.log) and any(s == 304 for _, p, s in proxy.log if p == "/HEAD")
+
+
+def test_cli_reads_over_http(http_store, tmp_path) -> None:
+    import subprocess
+    import sys
+
+    root, proxy = http_store
+    _publish(str(root), rl_steps(3))
+    out = subprocess.run([sys.executable, "-m", "delta_swap.cli", "inspect", "--store", proxy.url, "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert [r["step"] for r in json.loads(out.stdout)] == [0, 1, 2]
+
+
+# ---------------------------------------------------------------------- fleet
+
+
+def _follower(url: str, env: dict, target_step: int, out: str) -> None:
+    os.environ.update(env)
+    engine = RecordingEngine()
+
+    async def go():
+        sub = Subscriber(SubscriberConfig(url, poll_interval_s=0.1), engine)
+        sub.start()
+        for _ in range(600):
+            if sub.current is not None and sub.current.step == target_step:
+                break
+            await asyncio.sleep(0.1)
+        await sub.stop()
+        return sub.current
+
+    current = asyncio.run(go())
+    sums = {n: xxhash.xxh3_128_hexdigest(t.data) for n, t in engine.weights.items()}
+    Path(out).write_text(json.dumps({"snapshot": current and current.snapshot_id, "checksums": sums}))
+
+
+def test_several_subscriber_processes_converge_on_identical_weights(s3, tmp_path) -> None:
+    steps = rl_steps(6)
+    _publish(s3, steps[:1])
+    env = {k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL_S3")}
+    ctx = mp.get_context("spawn")
+    outs = [tmp_path / f"sub{i}.json" for i in range(3)]
+    procs = [ctx.Process(target=_follower, args=(s3, env, 5, str(o))) for o in outs]
+    for p in procs:
+        p.start()
+    _publish(s3, steps[1:], start=1)
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    results = [json.loads(o.read_text()) for o in outs]
+    assert all(r["snapshot"] == "step-0000000005" for r in results)
+    assert results[0]["checksums"] and results[0]["checksums"] == results[1]["checksums"] == results[2]["checksums"]
+    expected = {n: xxhash.xxh3_128_hexdigest(t.view(torch.uint8).numpy().tobytes()) for n, t in steps[5].items()}
+    assert results[0]["checksums"] == expected
+
+
+def test_publisher_notifies_servers_after_each_commit(tmp_path, loop_thread) -> None:
+    from aiohttp import web
+
+    received: list[dict] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        received.append(await request.json())
+        return web.json_response({"accepted": True}, status=202)
+
+    app = web.Application()
+    app.router.add_post("/delta_swap/notify", handler)
+    url = loop_thread.serve(app)
+    steps = rl_steps(3)
+    _publish(str(tmp_path), steps, notify_urls=(f"{url}/delta_swap/notify", "http://127.0.0.1:9/unreachable"))
+    assert [r["snapshot_id"] for r in received] == ["step-0000000000", "step-0000000001", "step-0000000002"]
