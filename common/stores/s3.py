@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 
 from ..errors import NotFoundError, StoreError
 from ..retry import RetryPolicy, TransientError, retry
-from .base import Store, check_key
+from .base import RangedStore, check_key
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ _TRANSIENT_CODES = {"500", "502", "503", "504", "InternalError", "ServiceUnavail
 _MISSING_CODES = {"404", "NoSuchKey", "NotFound"}
 
 
-class S3Store(Store):
+class S3Store(RangedStore):
     """Keys live under ``s3://bucket/prefix/``. Binds to the event loop of its first use."""
 
     def __init__(self, url: str, config: S3Config = S3Config()) -> None:
@@ -44,6 +44,7 @@ class S3Store(Store):
         self.bucket = parsed.netloc
         self.prefix = parsed.path.strip("/")
         self.config = config
+        self.part_size = config.part_size
         self._client: Any = None
         self._client_cm: Any = None
         self._sem: asyncio.Semaphore | None = None
@@ -92,28 +93,6 @@ class S3Store(Store):
         except NotFoundError:
             return None
         return int(head["ContentLength"])
-
-    async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
-        if start is None and end is None:
-            total = await self.size(key)
-            if total is None:
-                raise NotFoundError(f"{key} not found in {self.url}")
-            begin, stop = 0, total
-        else:
-            begin = start or 0
-            stop = end if end is not None else await self._require_size(key)
-        if stop <= begin:
-            return b""
-        part = self.config.part_size
-        ranges = [(o, min(o + part, stop)) for o in range(begin, stop, part)]
-        chunks = await asyncio.gather(*(self._get_range(key, a, b) for a, b in ranges))
-        return b"".join(chunks)
-
-    async def _require_size(self, key: str) -> int:
-        size = await self.size(key)
-        if size is None:
-            raise NotFoundError(f"{key} not found in {self.url}")
-        return size
 
     async def _get_range(self, key: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)``; a body cut short is resumed from the first missing byte."""
