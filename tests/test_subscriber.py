@@ -135,3 +135,29 @@ def test_replay_cost_decides_between_deltas_and_base(tmp_path, ratio, expect_bas
 
     asyncio.run(go())
     assert_state_equal(engine.weights, steps[3])
+
+
+def test_a_push_notification_wakes_the_poller_at_once(tmp_path) -> None:
+    steps = rl_steps(2)
+    _publish(tmp_path, steps[:1], base_every=100)
+    engine = RecordingEngine()
+
+    async def go():
+        sub = Subscriber(SubscriberConfig(str(tmp_path), poll_interval_s=3600), engine)
+        sub.start()
+        for _ in range(100):
+            if sub.current is not None:
+                break
+            await asyncio.sleep(0.05)
+        _publish(tmp_path, steps[1:], start=1, base_every=100)
+        await asyncio.sleep(0.3)
+        assert sub.current.step == 0  # the next poll is an hour away
+        sub.wake()
+        for _ in range(100):
+            if sub.current.step == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert sub.current.step == 1
+        await sub.stop()
+
+    asyncio.run(go())
