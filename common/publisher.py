@@ -215,7 +215,7 @@ class Publisher:
             part, data = delta
             for shard in part.shards:
                 await store.put(layout.shard_key(snapshot_id, shard.name), data)
-        if cadence or cfg.world_size == 1 and part.full:
+        if cadence or (cfg.world_size == 1 and part.full):
             self._last_base_step = job.step
         if cfg.world_size == 1:
             committed: Manifest | None = await commit(store, [part])
