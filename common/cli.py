@@ -31,7 +31,8 @@ def _progress(desc: str, total: int | None, enabled: bool) -> Iterator:
 def _cmd_publish(args: argparse.Namespace) -> int:
     state, files = read_checkpoint_dir(args.checkpoint_dir)
     config = PublisherConfig(base_every=args.base_every, max_delta_fraction=args.max_delta_fraction)
-    with Publisher(open_store(args.store, create=True), config, files=files) as pub:
+    total = sum(t.nbytes for t in state.values())
+    with _progress("publish", total, not args.quiet) as update, Publisher(args.store, config, files, update) as pub:
         snapshot_id = pub.publish(args.step, state, force_base=args.base)
         pub.flush()
     manifest = asyncio.run(_manifest(args.store, snapshot_id))
@@ -123,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base", action="store_true", help="force a full base snapshot")
     p.add_argument("--max-delta-fraction", type=float, default=0.5,
                    help="publish a base instead when a delta exceeds this fraction of the model (default 0.5)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_publish)
 
     p = sub.add_parser("pull", help="rebuild a snapshot as a Hugging Face checkpoint directory")

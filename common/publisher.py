@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -105,14 +105,19 @@ class Publisher:
         store: Store | str,
         config: PublisherConfig = PublisherConfig(),
         files: Mapping[str, bytes] | None = None,
+        progress: Callable[[int], None] | None = None,
     ) -> None:
+        """``progress`` (called from the background thread) receives tensor bytes as they are
+        encoded and uploaded, e.g. a progress bar's ``update``."""
         if not 0 <= config.rank < config.world_size:
             raise ValueError(f"rank {config.rank} is outside world size {config.world_size}")
         if config.base_every < 1 or config.max_pending < 1:
             raise ValueError("base_every and max_pending must be at least 1")
         self.config = config
         self.files = dict(files or {})
-        self._store_arg = store
+        self._progress = progress or (lambda n: None)
+        # Opened here so a bad URL fails now; remote stores bind to the worker's loop on first use.
+        self._store = store if isinstance(store, Store) else open_store(store, create=True)
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=config.max_pending)
         self._error: BaseException | None = None
         self._last_step: int | None = None
@@ -180,7 +185,7 @@ class Publisher:
 
     def _run(self) -> None:
         loop = asyncio.new_event_loop()
-        store = self._store_arg if isinstance(self._store_arg, Store) else open_store(self._store_arg, create=True)
+        store = self._store
         try:
             while True:
                 job = self._queue.get()
@@ -251,6 +256,7 @@ class Publisher:
         for name, new in job.state.items():
             old = self._prev_state[name]
             digest = checksum(new.data)
+            self._progress(new.nbytes)
             if np.array_equal(old.data, new.data):
                 entries.append(TensorEntry(name, new.dtype, new.shape, "same", digest))
                 continue
@@ -277,6 +283,7 @@ class Publisher:
         ]
         shard_entry = BlobEntry(shard, len(data), checksum(data))
         await store.put(layout.shard_key(snapshot_id, shard), data)
+        self._progress(sum(t.nbytes for t in job.state.values()))
         files = []
         if cfg.rank == 0:
             for name, content in sorted(self.files.items()):

@@ -205,3 +205,10 @@ def test_base_shards_are_plain_safetensors(chain) -> None:
     for t in manifest.tensors:  # manifest offsets address the tensor bytes directly
         assert np.array_equal(np.frombuffer(raw[t.offset : t.offset + t.length], np.uint8),
                               steps[0][t.name].view(torch.uint8).reshape(-1).numpy())
+
+
+def test_a_bad_store_url_fails_at_construction() -> None:
+    from delta_swap.errors import StoreError
+
+    with pytest.raises(StoreError, match="unsupported store URL"):
+        Publisher("gopher://nowhere/x")
