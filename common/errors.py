@@ -23,6 +23,10 @@ class ChainError(DeltaSwapError):
     """Snapshots do not link up: a missing, out-of-order or foreign delta."""
 
 
+class IncompatibleSnapshotError(DeltaSwapError):
+    """A snapshot's tensors do not fit the model a server runs (names, shapes or dtypes)."""
+
+
 class StoreError(DeltaSwapError):
     """A store could not be reached or refused an operation."""
 

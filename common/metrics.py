@@ -7,7 +7,14 @@ from functools import lru_cache
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from .errors import ChainError, ChecksumMismatchError, CorruptDataError, NotFoundError, StoreError
+from .errors import (
+    ChainError,
+    ChecksumMismatchError,
+    CorruptDataError,
+    IncompatibleSnapshotError,
+    NotFoundError,
+    StoreError,
+)
 
 
 class SubscriberMetrics:
@@ -39,6 +46,8 @@ def failure_kind(exc: BaseException) -> str:
         return "corrupt"
     if isinstance(exc, ChainError):
         return "chain"
+    if isinstance(exc, IncompatibleSnapshotError):
+        return "misfit"
     if isinstance(exc, NotFoundError):
         return "missing"
     if isinstance(exc, (StoreError, OSError, TimeoutError)):

@@ -246,7 +246,7 @@ def test_a_snapshot_that_does_not_fit_the_served_model_is_refused(live, models, 
     with Publisher(str(store), PublisherConfig(base_every=1000)) as pub:
         pub.publish(8, weights)
     st = wait_for(server.url, lambda s: s["failures"] > before)
-    assert st["current_step"] == 7 and name in st["last_error"] and "served model" in st["last_error"]
+    assert st["current_step"] == 7 and name in st["last_error"] and "IncompatibleSnapshotError" in st["last_error"]
     assert greedy(server.url) == references["D"]
     _drop(store, 8, head_step=7)
 

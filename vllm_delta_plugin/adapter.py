@@ -11,7 +11,7 @@ from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-from delta_swap.checkpoint_dir import read_checkpoint_layout
+from delta_swap.checkpoint_dir import check_fits, read_checkpoint_layout
 from delta_swap.engine_adapter import DrainPolicy, EngineAdapter, StagedSnapshot
 from delta_swap.safetensors_io import write_safetensors
 from delta_swap.tensors import StateDict
@@ -41,21 +41,10 @@ class VllmEngineAdapter(EngineAdapter):
         #: What the served model accepts (empty when it was not loaded from a local folder).
         self.layout = read_checkpoint_layout(checkpoint_dir) if os.path.isdir(checkpoint_dir) else {}
 
-    def check_layout(self, state: StateDict) -> None:
-        """Refuse a snapshot whose tensors do not fit the served model, before vLLM sees it."""
-        if not self.layout:
-            return
-        extra = sorted(set(state) - set(self.layout))
-        if extra:
-            raise ValueError(f"snapshot has tensors the served model lacks: {extra[:4]}")
-        wrong = [n for n, t in state.items() if (t.dtype, t.shape) != self.layout[n]]
-        if wrong:
-            n = wrong[0]
-            raise ValueError(f"{n} is {state[n].dtype}{list(state[n].shape)}, the served model has {self.layout[n]}")
-
     async def swap(self, staged: StagedSnapshot) -> dict[str, float]:
         timings: dict[str, float] = {}
-        self.check_layout(staged.state)
+        if self.layout:
+            check_fits(staged.state, self.layout)
         names = with_module_siblings(staged.changed, sorted(staged.state))
         t0 = time.perf_counter()
         path = await asyncio.to_thread(self._stage, staged.state, names, staged.snapshot_id)
