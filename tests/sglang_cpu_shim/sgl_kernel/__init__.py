@@ -15,7 +15,8 @@ feature probes see no kernel at all.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 __version__ = "0.0.0+delta-swap-cpu-test-shim"
 IS_DELTA_SWAP_CPU_TEST_SHIM = True

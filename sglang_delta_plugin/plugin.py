@@ -1,0 +1,47 @@
+"""``sglang.srt.plugins`` entry point: SGLang calls :func:`register` in its main, scheduler and
+detokenizer processes; only the main (HTTP server) process needs the hooks."""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+from collections.abc import Callable
+from typing import Any
+
+from . import config, server
+
+_registered = False
+
+ADD_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
+FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
+LAUNCH_SERVER = "sglang.srt.entrypoints.http_server.launch_server"
+
+
+def register() -> None:
+    """Add the ``--delta-swap-*`` flags and, in the HTTP server, the routes and the subscriber
+    (idempotent)."""
+    global _registered
+    if _registered or multiprocessing.parent_process() is not None:
+        return  # already done, or a scheduler/detokenizer child: weights arrive through SGLang's own API
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(ADD_CLI_ARGS, _after_add_cli_args, HookType.AFTER)
+    HookRegistry.register(FROM_CLI_ARGS, _around_from_cli_args, HookType.AROUND)
+    HookRegistry.register(LAUNCH_SERVER, _around_launch_server, HookType.AROUND)
+    _registered = True
+
+
+def _after_add_cli_args(result: Any, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+    config.add_cli_args(parser)
+
+
+def _around_from_cli_args(original: Callable, cls: type, args: argparse.Namespace, *rest: Any, **kwargs: Any) -> Any:
+    server.remember_args(args)
+    return original(cls, args, *rest, **kwargs)
+
+
+def _around_launch_server(original: Callable, server_args: Any, *args: Any, **kwargs: Any) -> Any:
+    from sglang.srt.entrypoints import http_server
+
+    server.install(http_server.app, server_args)
+    return original(server_args, *args, **kwargs)

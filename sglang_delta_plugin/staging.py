@@ -1,0 +1,76 @@
+"""Check tensors against the served model, then pack them for SGLang's ``update_weights_from_tensor``.
+
+Any exception raised while SGLang's scheduler loads weights ends the whole server, so nothing
+reaches it before every name, shape and dtype matches the checkpoint the server was started
+from and every staged byte matches its checksum. Tensors travel as one ``flattened_bucket``:
+a single shared-memory buffer (passed to the scheduler as a file descriptor, no copy through
+the socket) plus SGLang's own metadata records, which its safe unpickler accepts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from delta_swap.checkpoint_dir import Layout, check_fits, read_checkpoint_layout
+from delta_swap.checksum import verify
+from delta_swap.dtypes import torch_dtype_of
+from delta_swap.errors import IncompatibleSnapshotError
+from delta_swap.tensors import HostTensor
+
+#: Each tensor starts at a multiple of this in the bucket, so SGLang's ``.view(dtype)`` is aligned.
+ALIGN = 64
+
+
+def served_layout(model_path: str) -> Layout:
+    """Name -> (dtype, shape) of every tensor in the checkpoint the server was started from."""
+    path = Path(model_path)
+    if not path.is_dir():
+        from huggingface_hub import snapshot_download  # a hub id: use the copy SGLang loaded
+
+        path = Path(snapshot_download(model_path, allow_patterns=["*.safetensors"], local_files_only=True))
+    layout = read_checkpoint_layout(path)
+    if not layout:
+        raise IncompatibleSnapshotError(f"no *.safetensors in {path}: delta-swap needs safetensors checkpoints")
+    return layout
+
+
+@dataclass
+class Bucket:
+    """Tensors packed in one shared-memory buffer, ready for ``update_weights_from_tensor``."""
+
+    #: One MultiprocessingSerializer payload of {"flattened_tensor", "metadata"} per tensor-parallel
+    #: rank, as SGLang expects (each rank deserializes, and so receives the descriptor, once).
+    payloads: list[bytes]
+    nbytes: int
+
+
+def pack(state: Mapping[str, HostTensor], names: Sequence[str], layout: Layout,
+         checksums: Mapping[str, str] | None = None, ranks: int = 1) -> Bucket:
+    """Check all of ``state`` against ``layout``, copy the ``names`` tensors into one shared-memory
+    buffer and verify the copied bytes against ``checksums`` (name -> "xxh3_128:..."), if given."""
+    import torch
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+
+    check_fits(state, layout)
+    spans, total = [], 0
+    for name in names:
+        spans.append((total, total + state[name].nbytes))
+        total = -(-(total + state[name].nbytes) // ALIGN) * ALIGN
+    flat = torch.empty(max(total, 1), dtype=torch.uint8).share_memory_()
+    view = flat.numpy()
+    metadata = []
+    for name, (start, end) in zip(names, spans):
+        tensor = state[name]
+        view[start:end] = tensor.data
+        if checksums is not None:
+            verify(view[start:end], checksums[name], f"staged tensor {name}")
+        metadata.append(FlattenedTensorMetadata(
+            name=name, shape=torch.Size(tensor.shape), dtype=torch_dtype_of(tensor.dtype),
+            start_idx=start, end_idx=end, numel=end - start,
+        ))
+    bucket = {"flattened_tensor": flat, "metadata": metadata}
+    return Bucket([MultiprocessingSerializer.serialize(bucket) for _ in range(ranks)], total)
+

@@ -1,0 +1,179 @@
+"""Transactional behaviour of ``SglangEngineAdapter`` against a scripted tokenizer manager.
+
+Run with the SGLang environment's interpreter (tests/test_sglang_engine.py does): it uses SGLang's
+real request types, RW lock and safe unpickler, but no server, so failures SGLang cannot be made
+to produce on demand (a refused load, a request that will not finish) can be played out. Prints
+one line per scenario and exits non-zero on the first failed check.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import numpy as np
+from delta_swap.checksum import checksum
+from delta_swap.engine_adapter import DrainPolicy, StagedSnapshot
+from delta_swap.errors import DeltaSwapError
+from delta_swap.manifest import Manifest, TensorEntry
+from delta_swap.tensors import HostTensor
+from sglang.srt.utils import MultiprocessingSerializer
+from sglang.srt.utils.aio_rwlock import RWLock
+
+from sglang_delta_plugin.adapter import EngineUpdateError, SglangEngineAdapter
+from sglang_delta_plugin.config import PluginConfig
+from delta_swap.errors import IncompatibleSnapshotError
+
+LAYOUT = {"a.weight": ("BF16", (4, 8)), "b.weight": ("F32", (3,))}
+
+
+def tensor(dtype: str, shape: tuple[int, ...], fill: int) -> HostTensor:
+    size = {"BF16": 2, "F32": 4}[dtype] * int(np.prod(shape))
+    return HostTensor(dtype, shape, np.full(size, fill, dtype=np.uint8))
+
+
+def state(fill: int) -> dict[str, HostTensor]:
+    return {name: tensor(dtype, shape, fill) for name, (dtype, shape) in LAYOUT.items()}
+
+
+def staged(sid: str, new: dict[str, HostTensor], previous: dict[str, HostTensor] | None) -> StagedSnapshot:
+    entries = [TensorEntry(n, t.dtype, t.shape, "raw", checksum(t.data)) for n, t in new.items()]
+    manifest = Manifest(snapshot_id=sid, step=1, kind="base", prev_snapshot_id=None, base_snapshot_id=sid,
+                        tensors=tuple(entries), shards=())
+    return StagedSnapshot(manifest, new, tuple(sorted(new)), previous)
+
+
+class FakeTokenizerManager:
+    """The slice of SGLang's TokenizerManager the adapter uses, with scripted answers."""
+
+    def __init__(self, update_results: list[bool]) -> None:
+        self.model_update_lock = RWLock()
+        self.is_pause = False
+        self.version = "v0"
+        self.update_results = list(update_results)
+        self.calls: list[str] = []
+        self.loaded: list[dict[str, bytes]] = []
+
+    def config_value(self, name: str) -> str:
+        assert name == "weight_version"
+        return self.version
+
+    async def pause_generation(self, obj) -> None:
+        self.calls.append(f"pause:{obj.mode}")
+        self.is_pause = True
+
+    async def continue_generation(self, obj) -> None:
+        self.calls.append("continue")
+        self.is_pause = False
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        self.calls.append("abort_all" if abort_all else f"abort:{rid}")
+
+    async def begin_weight_update(self, obj, request):
+        assert self.is_pause, "weights must only move while paused"
+        self.calls.append("begin")
+        return True, ""
+
+    async def end_weight_update(self, obj, request):
+        self.calls.append("end")
+        return True, ""
+
+    async def update_weights_from_tensor(self, obj, request):
+        assert obj.load_format == "flattened_bucket" and obj.flush_cache
+        per_rank = []
+        for payload in obj.serialized_named_tensors:  # one per TP rank, each read with SGLang's safe unpickler
+            bucket = MultiprocessingSerializer.deserialize(payload)
+            flat = bucket["flattened_tensor"]
+            per_rank.append({m.name: flat[m.start_idx:m.end_idx].numpy().tobytes() for m in bucket["metadata"]})
+        assert all(r == per_rank[0] for r in per_rank)
+        self.ranks = len(per_rank)
+        self.loaded.append(per_rank[0])
+        self.calls.append(f"update:{obj.weight_version}")
+        ok = self.update_results.pop(0)
+        if ok:
+            self.version = obj.weight_version
+        return ok, "ok" if ok else "refused by the scripted engine"
+
+    async def update_weight_version(self, obj) -> None:
+        self.calls.append(f"version:{obj.new_version}")
+        self.version = obj.new_version
+
+
+def adapter(tm: FakeTokenizerManager, drain: str, timeout: float = 30.0, tp_size: int = 1) -> SglangEngineAdapter:
+    config = PluginConfig(store_url="file:///unused", drain=DrainPolicy(drain), drain_timeout_s=timeout)
+    return SglangEngineAdapter(tm, config, "/nonexistent", LAYOUT, tp_size=tp_size)
+
+
+def check(cond: bool, what: str) -> None:
+    if not cond:
+        print(f"FAIL: {what}")
+        sys.exit(1)
+
+
+async def main() -> None:
+    old, new = state(1), state(2)
+
+    # A swap moves exactly the staged bytes to every TP rank, paused, and resumes.
+    tm = FakeTokenizerManager([True])
+    timings = await adapter(tm, "keep", tp_size=2).swap(staged("s1", new, old))
+    check(tm.calls == ["pause:retract", "begin", "update:s1", "end", "continue"], f"keep swap calls {tm.calls}")
+    check(tm.loaded[0] == {n: t.data.tobytes() for n, t in new.items()}, "bytes arrive unchanged")
+    check(tm.ranks == 2, "one payload per tensor-parallel rank")
+    check({"stage", "pause", "swap", "resume"} <= set(timings), f"timings {timings}")
+    print("ok: swap")
+
+    # A refused load puts the previous tensors back under the previous version, then resumes.
+    tm = FakeTokenizerManager([False, True])
+    try:
+        await adapter(tm, "abort").swap(staged("s2", new, old))
+        check(False, "a refused load must raise")
+    except EngineUpdateError as exc:
+        check("refused by the scripted engine" in str(exc), str(exc))
+    check(tm.calls == ["pause:abort", "pause:retract", "begin", "update:s2", "end", "begin", "update:v0", "end",
+                       "continue"], f"rollback calls {tm.calls}")
+    check(tm.loaded[1] == {n: t.data.tobytes() for n, t in old.items()}, "rollback loads the previous bytes")
+    check(tm.version == "v0" and not tm.is_pause, "previous version, not paused")
+    print("ok: rollback")
+
+    # A snapshot that does not fit never reaches the engine.
+    tm = FakeTokenizerManager([])
+    bad = {**new, "b.weight": tensor("F32", (4,), 2), "c.bias": tensor("F32", (1,), 2)}
+    try:
+        await adapter(tm, "wait").swap(staged("s3", bad, old))
+        check(False, "a misfit must raise")
+    except IncompatibleSnapshotError as exc:
+        check("b.weight" in str(exc) and "c.bias" in str(exc), str(exc))
+    check(tm.calls == [] and not tm.model_update_lock._writer_active, f"misfit touched the engine: {tm.calls}")
+    print("ok: misfit")
+
+    # wait: in-flight requests hold the reader side; after the timeout they are aborted, the swap
+    # runs with the writer lock held, and the lock is released afterwards.
+    tm = FakeTokenizerManager([True])
+    await tm.model_update_lock.acquire_reader()  # a request in flight
+
+    async def finish_when_aborted() -> None:
+        while "abort_all" not in tm.calls:
+            await asyncio.sleep(0.05)
+        await tm.model_update_lock.release_reader()
+
+    releaser = asyncio.create_task(finish_when_aborted())
+    await adapter(tm, "wait", timeout=0.3).swap(staged("s4", new, old))
+    await releaser
+    check(tm.calls[0] == "abort_all" and tm.calls[-1] == "continue" and "update:s4" in tm.calls, f"{tm.calls}")
+    check(not tm.model_update_lock._writer_active and not tm.is_pause, "writer lock released, resumed")
+    print("ok: wait timeout")
+
+    # Nothing changed: only the version moves.
+    tm = FakeTokenizerManager([])
+    same = StagedSnapshot(staged("s5", old, old).manifest, old, (), old)
+    await adapter(tm, "wait").swap(same)
+    check(tm.calls == ["pause:retract", "version:s5", "continue"], f"{tm.calls}")
+    print("ok: version only")
+
+
+if __name__ == "__main__":
+    try:
+        asyncio.run(main())
+    except DeltaSwapError as exc:
+        print(f"FAIL: {exc!r}")
+        sys.exit(1)
