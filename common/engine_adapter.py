@@ -7,8 +7,11 @@ adapter only has to swap a fully verified, staged snapshot into its engine, all 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from enum import Enum
+from typing import Any, ClassVar
 
 from .manifest import Manifest
 from .tensors import StateDict
@@ -20,6 +23,50 @@ class DrainPolicy(str, Enum):
     WAIT = "wait"    # stop admitting, let running requests finish (up to a timeout), then swap
     KEEP = "keep"    # freeze running requests in place, swap, resume them on the new weights
     ABORT = "abort"  # abort running requests, swap
+
+
+@dataclass(frozen=True)
+class SwapConfig:
+    """What every engine adapter is configured with: the store to follow and how to drain."""
+
+    store_url: str | None
+    poll_interval_s: float = 2.0
+    drain: DrainPolicy = DrainPolicy.WAIT
+    #: In ``wait`` mode, abort what is still running after this many seconds.
+    drain_timeout_s: float = 30.0
+
+    #: Field -> environment variable; subclasses add their own fields here.
+    ENV: ClassVar[dict[str, str]] = {
+        "store_url": "DELTA_SWAP_STORE",
+        "poll_interval_s": "DELTA_SWAP_POLL_INTERVAL",
+        "drain": "DELTA_SWAP_DRAIN",
+        "drain_timeout_s": "DELTA_SWAP_DRAIN_TIMEOUT",
+    }
+
+    @classmethod
+    def load(cls, given: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> SwapConfig:
+        """Values from ``given`` (e.g. parsed flags; None means unset), else the environment,
+        else the defaults. Raises ValueError naming a bad setting."""
+        env = os.environ if env is None else env
+        kwargs: dict[str, Any] = {}
+        for f in fields(cls):
+            value = (given or {}).get(f.name)
+            if value is None:
+                value = env.get(cls.ENV.get(f.name, ""), "") or None
+            if value is None:
+                continue
+            try:
+                kwargs[f.name] = _convert(f.default, value)
+            except ValueError as exc:
+                raise ValueError(f"bad delta-swap setting {cls.ENV.get(f.name, f.name)}={value!r}: {exc}") from None
+        kwargs.setdefault("store_url", None)
+        return cls(**kwargs)
+
+
+def _convert(default: Any, value: Any) -> Any:
+    if isinstance(default, DrainPolicy):
+        return DrainPolicy(value)
+    return float(value) if isinstance(default, float) else str(value)
 
 
 @dataclass(frozen=True)
@@ -53,3 +100,7 @@ class EngineAdapter(ABC):
         Must be transactional: on any error the engine keeps serving the previous weights
         (restoring them if it had begun loading) and the error is raised.
         """
+
+    async def describe(self) -> dict[str, Any]:
+        """Engine details for the status route (engine name, its weight version, drain policy)."""
+        return {}

@@ -52,6 +52,9 @@ class SglangEngineAdapter(EngineAdapter):
     def weight_version(self) -> str | None:
         return self.tm.config_value("weight_version")
 
+    async def describe(self) -> dict[str, Any]:
+        return {"engine": "sglang", "weight_version": self.weight_version(), "drain": self.config.drain.value}
+
     async def swap(self, staged: StagedSnapshot) -> dict[str, float]:
         timings: dict[str, float] = {}
         names = sorted(staged.changed)

@@ -4,51 +4,24 @@ environment variables (a flag wins over its variable)."""
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 
-from delta_swap.engine_adapter import DrainPolicy
-
-PLUGIN_NAME = "delta_swap"
-
-#: flag -> (environment variable, Namespace attribute)
-FLAGS = {
-    "--delta-swap-source": ("DELTA_SWAP_STORE", "delta_swap_source"),
-    "--delta-swap-poll-interval": ("DELTA_SWAP_POLL_INTERVAL", "delta_swap_poll_interval"),
-    "--delta-swap-drain": ("DELTA_SWAP_DRAIN", "delta_swap_drain"),
-    "--delta-swap-drain-timeout": ("DELTA_SWAP_DRAIN_TIMEOUT", "delta_swap_drain_timeout"),
-}
+from delta_swap.engine_adapter import DrainPolicy, SwapConfig
 
 
-@dataclass(frozen=True)
-class PluginConfig:
+class PluginConfig(SwapConfig):
     """How the HTTP server process follows a store and swaps weights into SGLang."""
 
-    store_url: str | None
-    poll_interval_s: float = 2.0
-    drain: DrainPolicy = DrainPolicy.WAIT
-    #: In ``wait`` mode, abort what is still running after this many seconds.
-    drain_timeout_s: float = 30.0
-
     @classmethod
-    def from_sources(cls, args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None) -> PluginConfig:
+    def from_sources(cls, args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None) -> SwapConfig:
         """Flags parsed by SGLang (``args``), falling back to the environment, then to defaults."""
-        env = os.environ if env is None else env
-        values: dict[str, str | None] = {}
-        for flag, (var, attr) in FLAGS.items():
-            value = getattr(args, attr, None) if args is not None else None
-            values[flag] = str(value) if value is not None else (env.get(var) or None)
-        defaults = cls(store_url=None)
-        try:
-            return cls(
-                store_url=values["--delta-swap-source"],
-                poll_interval_s=float(values["--delta-swap-poll-interval"] or defaults.poll_interval_s),
-                drain=DrainPolicy(values["--delta-swap-drain"] or defaults.drain.value),
-                drain_timeout_s=float(values["--delta-swap-drain-timeout"] or defaults.drain_timeout_s),
-            )
-        except ValueError as exc:
-            raise ValueError(f"bad delta-swap setting: {exc}") from None
+        given = {
+            "store_url": getattr(args, "delta_swap_source", None),
+            "poll_interval_s": getattr(args, "delta_swap_poll_interval", None),
+            "drain": getattr(args, "delta_swap_drain", None),
+            "drain_timeout_s": getattr(args, "delta_swap_drain_timeout", None),
+        }
+        return cls.load(given, env)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,12 +20,17 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from delta_swap import layout
-from delta_swap.chain import encode_head
-from delta_swap.manifest import Manifest
-from delta_swap.publisher import Publisher, PublisherConfig
 from delta_swap.server_process import free_port, start_server
 from delta_swap.tiny_model import make_tiny_model, perturb_weights
+from rollout_scenarios import (
+    bad_snapshots_never_reach_the_model,
+    drop_snapshot,
+    publish_dirs,
+    stage_tampered,
+    status,
+    swaps_under_load,
+    wait_for,
+)
 from safetensors.torch import load_file, save_file
 
 pytestmark = pytest.mark.engine
@@ -109,26 +112,6 @@ def weight_checksums(url: str) -> dict[str, str]:
     r = httpx.post(f"{url}/weights_checker", json={"action": "checksum"}, timeout=60)
     r.raise_for_status()
     return r.json()["ranks"][0]["checksums"]
-
-
-def status(url: str) -> dict:
-    return httpx.get(f"{url}/delta_swap/status", timeout=30).json()
-
-
-def wait_for(url: str, pred, timeout: float = 120) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        st = status(url)
-        if pred(st):
-            return st
-        time.sleep(0.2)
-    raise AssertionError(f"timed out; status: {json.dumps(st, indent=1)}")
-
-
-def publish_dirs(store: Path, steps: list[tuple[int, Path]]) -> None:
-    with Publisher(str(store), PublisherConfig(base_every=1000)) as pub:
-        for step, ckpt in steps:
-            pub.publish(step, load_file(str(ckpt / "model.safetensors")))
 
 
 def kind(store: Path, step: int) -> str:
@@ -257,76 +240,14 @@ def test_a_chain_of_deltas_is_applied_in_order(live, models, references) -> None
     assert greedy(server.url) == references["D"]["greedy"]
 
 
-def _stage_tampered(store: Path, scratch: Path, step: int, model: Path, tamper) -> None:
-    """Publish ``step`` into a copy of the store, damage it, then commit it to the live store
-    in the publisher's order (shards, manifest, HEAD)."""
-    shutil.copytree(store, scratch, dirs_exist_ok=True)
-    publish_dirs(scratch, [(step, model)])
-    sid = f"step-{step:010d}"
-    tamper(scratch / "snapshots" / sid)
-    dest = store / "snapshots" / sid
-    dest.mkdir(parents=True)
-    for f in sorted((scratch / "snapshots" / sid).iterdir(), key=lambda p: p.name == "manifest.json"):
-        shutil.copy(f, dest / f.name)
-    shutil.copy(scratch / "HEAD", store / "HEAD")
-
-
-def _drop(store: Path, step: int, head_step: int) -> None:
-    """Remove a snapshot again and point HEAD back at ``head_step``."""
-    shutil.rmtree(store / "snapshots" / f"step-{step:010d}")
-    manifest = Manifest.from_json((store / layout.manifest_key(f"step-{head_step:010d}")).read_bytes())
-    (store / layout.HEAD_KEY).write_bytes(encode_head(manifest))
-
-
 def test_corrupt_missing_or_out_of_order_deltas_never_reach_the_model(live, models, references, tmp_path) -> None:
     server, store = live
-    before = status(server.url)["failures"]
 
-    def flip(snapshot: Path) -> None:
-        shard = next(snapshot.glob("shard-*"))
-        data = bytearray(shard.read_bytes())
-        data[len(data) // 2] ^= 0x04
-        shard.write_bytes(bytes(data))
+    def serves_d() -> None:
+        assert greedy(server.url) == references["D"]["greedy"]
 
-    _stage_tampered(store, tmp_path / "s1", 4, models["E"], flip)
-    st = wait_for(server.url, lambda s: s["failures"] > before)
-    assert st["current_step"] == 3 and st["newest_step"] == 4 and st["staleness_steps"] == 1
-    assert "ChecksumMismatchError" in st["last_error"]
-    assert 'delta_swap_failures_total{kind="checksum"' in httpx.get(f"{server.url}/metrics", timeout=30).text
-    assert greedy(server.url) == references["D"]["greedy"]  # still serving the last good weights
-
-    # Out of order: a delta that claims to follow step 2 although the server is at 3.
-    _drop(store, 4, head_step=3)
-
-    def reorder(snapshot: Path) -> None:
-        manifest = snapshot / "manifest.json"
-        doc = json.loads(manifest.read_text())
-        doc["prev_snapshot_id"] = "step-0000000002"
-        manifest.write_text(json.dumps(doc))
-
-    before = status(server.url)["failures"]
-    _stage_tampered(store, tmp_path / "s2", 5, models["E"], reorder)
-    st = wait_for(server.url, lambda s: s["failures"] > before)
-    assert st["current_step"] == 3 and "Checksum" in st["last_error"]
-    _drop(store, 5, head_step=3)
-
-    # Missing link: step 7 arrives but step 6 never does.
-    scratch = tmp_path / "s3"
-    shutil.copytree(store, scratch)
-    publish_dirs(scratch, [(6, models["E"]), (7, models["D"])])
-    before = status(server.url)["failures"]
-    shutil.copytree(scratch / "snapshots" / "step-0000000007", store / "snapshots" / "step-0000000007")
-    shutil.copy(scratch / "HEAD", store / "HEAD")
-    st = wait_for(server.url, lambda s: s["failures"] > before)
-    assert st["current_step"] == 3 and "step-0000000006" in st["last_error"]
-    assert greedy(server.url) == references["D"]["greedy"]
-
-    # Once the missing delta shows up the server catches up on its own.
-    shutil.copytree(scratch / "snapshots" / "step-0000000006", store / "snapshots" / "step-0000000006")
-    st = wait_for(server.url, lambda s: s["current_step"] == 7)
-    assert st["last_error"] is None
-    assert greedy(server.url) == references["D"]["greedy"]  # step 7 holds D's weights again
-
+    bad_snapshots_never_reach_the_model(server.url, store, models, tmp_path, serves_d)
+    assert weight_checksums(server.url) == references["D"]["weights"]
 
 def test_a_snapshot_that_does_not_fit_the_served_model_never_reaches_it(live, models, references, tmp_path) -> None:
     """Names, shapes and dtypes are checked before SGLang sees a byte (a failed load inside its
@@ -339,14 +260,14 @@ def test_a_snapshot_that_does_not_fit_the_served_model_never_reaches_it(live, mo
     bad.mkdir()
     save_file(weights, str(bad / "model.safetensors"))
     before = status(server.url)["failures"]
-    _stage_tampered(store, tmp_path / "s4", 8, bad, lambda snapshot: None)
+    stage_tampered(store, tmp_path / "s4", 8, bad, lambda snapshot: None)
     st = wait_for(server.url, lambda s: s["failures"] > before)
     assert st["current_step"] == 7 and st["newest_step"] == 8
     assert "IncompatibleSnapshotError" in st["last_error"]
     assert "lm_head.weight" in st["last_error"] and "q_proj.bias" in st["last_error"]
     assert weight_checksums(server.url) == references["D"]["weights"]
     assert greedy(server.url) == references["D"]["greedy"]
-    _drop(store, 8, head_step=7)
+    drop_snapshot(store, 8, head_step=7)
 
 
 def test_resync_reloads_the_base_and_replays_the_chain(live, references) -> None:
@@ -388,42 +309,11 @@ def test_in_flight_requests_finish_on_one_weight_version_in_wait_mode(live, mode
 def test_fifty_swaps_under_steady_load_without_a_failed_request(live, models) -> None:
     server, store = live
     weights = load_file(str(models["B"] / "model.safetensors"))
-    gen = torch.Generator().manual_seed(0)
-    stop = threading.Event()
-    outcomes: list[str | None] = []
 
-    def client() -> None:
-        with httpx.Client() as c:
-            while not stop.is_set():
-                try:
-                    generate(server.url, PROMPTS[len(outcomes) % 3], 8, client=c)
-                    outcomes.append(None)
-                except Exception as exc:  # noqa: BLE001 (recorded, asserted below)
-                    outcomes.append(repr(exc))
+    def request(client: httpx.Client, i: int) -> None:
+        generate(server.url, PROMPTS[i % 3], 8, client=client)
 
-    threads = [threading.Thread(target=client) for _ in range(2)]
-    for t in threads:
-        t.start()
-    start_updates = status(server.url)["updates_applied"]
-    try:
-        with Publisher(str(store), PublisherConfig(base_every=20)) as pub:
-            for i in range(50):
-                step = 10 + i
-                for w in weights.values():  # an RL-sized nudge: a few ULPs on ~2% of elements
-                    mask = torch.rand(w.shape, generator=gen) < 0.02
-                    bits = w.view(torch.int16)
-                    bits[mask] += torch.randint(-2, 3, (int(mask.sum()),), generator=gen, dtype=torch.int16)
-                pub.publish(step, weights)
-                pub.flush()
-                wait_for(server.url, lambda s, step=step: s["current_step"] == step, timeout=60)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join()
-    st = status(server.url)
-    assert st["updates_applied"] - start_updates >= 50 and st["last_error"] is None
-    failed = [o for o in outcomes if o is not None]
-    assert outcomes and not failed, failed[:3]
+    st = swaps_under_load(server.url, store, weights, request, first_step=10)
     print(f"swap timings of the last update: {st['last_update_timings_s']}")
 
 

@@ -7,9 +7,6 @@ directly on the target checkpoints.
 
 from __future__ import annotations
 
-import json
-import shutil
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,15 +14,19 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-import torch
 from safetensors.torch import load_file
 
-from delta_swap import layout
-from delta_swap.chain import encode_head
-from delta_swap.manifest import Manifest
 from delta_swap.publisher import Publisher, PublisherConfig
 from delta_swap.server_process import free_port, start_server
 from delta_swap.tiny_model import make_tiny_model, perturb_weights
+from rollout_scenarios import (
+    bad_snapshots_never_reach_the_model,
+    drop_snapshot,
+    publish_dirs,
+    status,
+    swaps_under_load,
+    wait_for,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -62,26 +63,6 @@ def greedy(url: str) -> list[tuple[list[int], object]]:
     outs = [generate(url, p) for p in PROMPTS]
     assert all(o["logprobs"] for o in outs)
     return [(o["token_ids"], o["logprobs"]) for o in outs]
-
-
-def status(url: str) -> dict:
-    return httpx.get(f"{url}/delta_swap/status", timeout=30).json()
-
-
-def wait_for(url: str, pred, timeout: float = 120) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        st = status(url)
-        if pred(st):
-            return st
-        time.sleep(0.2)
-    raise AssertionError(f"timed out; status: {json.dumps(st, indent=1)}")
-
-
-def publish_dirs(store: Path, steps: list[tuple[int, Path]]) -> None:
-    with Publisher(str(store), PublisherConfig(base_every=1000)) as pub:
-        for step, ckpt in steps:
-            pub.publish(step, load_file(str(ckpt / "model.safetensors")))
 
 
 @pytest.fixture(scope="module")
@@ -155,76 +136,13 @@ def test_a_chain_of_deltas_is_applied_in_order(live, models, references) -> None
     assert greedy(server.url) == references["D"]
 
 
-def _stage_tampered(store: Path, scratch: Path, step: int, model: Path, tamper) -> None:
-    """Publish ``step`` into a copy of the store, damage it, then commit it to the live store
-    in the publisher's order (shards, manifest, HEAD)."""
-    shutil.copytree(store, scratch, dirs_exist_ok=True)
-    publish_dirs(scratch, [(step, model)])
-    sid = f"step-{step:010d}"
-    tamper(scratch / "snapshots" / sid)
-    dest = store / "snapshots" / sid
-    dest.mkdir(parents=True)
-    for f in sorted((scratch / "snapshots" / sid).iterdir(), key=lambda p: p.name == "manifest.json"):
-        shutil.copy(f, dest / f.name)
-    shutil.copy(scratch / "HEAD", store / "HEAD")
-
-
-def _drop(store: Path, step: int, head_step: int) -> None:
-    """Remove a snapshot again and point HEAD back at ``head_step``."""
-    shutil.rmtree(store / "snapshots" / f"step-{step:010d}")
-    manifest = Manifest.from_json((store / layout.manifest_key(f"step-{head_step:010d}")).read_bytes())
-    (store / layout.HEAD_KEY).write_bytes(encode_head(manifest))
-
-
 def test_corrupt_missing_or_out_of_order_deltas_never_reach_the_model(live, models, references, tmp_path) -> None:
     server, store = live
-    before = status(server.url)["failures"]
 
-    def flip(snapshot: Path) -> None:
-        shard = next(snapshot.glob("shard-*"))
-        data = bytearray(shard.read_bytes())
-        data[len(data) // 2] ^= 0x04
-        shard.write_bytes(bytes(data))
+    def serves_d() -> None:
+        assert greedy(server.url) == references["D"]
 
-    _stage_tampered(store, tmp_path / "s1", 4, models["E"], flip)
-    st = wait_for(server.url, lambda s: s["failures"] > before)
-    assert st["current_step"] == 3 and st["newest_step"] == 4 and st["staleness_steps"] == 1
-    assert "ChecksumMismatchError" in st["last_error"]
-    assert 'delta_swap_failures_total{kind="checksum"}' in httpx.get(f"{server.url}/metrics", timeout=30).text
-    assert greedy(server.url) == references["D"]  # still serving the last good weights
-
-    # Out of order: a delta that claims to follow step 2 although the server is at 3.
-    _drop(store, 4, head_step=3)
-
-    def reorder(snapshot: Path) -> None:
-        manifest = snapshot / "manifest.json"
-        doc = json.loads(manifest.read_text())
-        doc["prev_snapshot_id"] = "step-0000000002"
-        manifest.write_text(json.dumps(doc))
-
-    before = status(server.url)["failures"]
-    _stage_tampered(store, tmp_path / "s2", 5, models["E"], reorder)
-    st = wait_for(server.url, lambda s: s["failures"] > before)
-    assert st["current_step"] == 3 and "Checksum" in st["last_error"]
-    _drop(store, 5, head_step=3)
-
-    # Missing link: step 7 arrives but step 6 never does.
-    scratch = tmp_path / "s3"
-    shutil.copytree(store, scratch)
-    publish_dirs(scratch, [(6, models["E"]), (7, models["D"])])
-    before = status(server.url)["failures"]
-    shutil.copytree(scratch / "snapshots" / "step-0000000007", store / "snapshots" / "step-0000000007")
-    shutil.copy(scratch / "HEAD", store / "HEAD")
-    st = wait_for(server.url, lambda s: s["failures"] > before)
-    assert st["current_step"] == 3 and "step-0000000006" in st["last_error"]
-    assert greedy(server.url) == references["D"]
-
-    # Once the missing delta shows up the server catches up on its own.
-    shutil.copytree(scratch / "snapshots" / "step-0000000006", store / "snapshots" / "step-0000000006")
-    st = wait_for(server.url, lambda s: s["current_step"] == 7)
-    assert st["last_error"] is None
-    assert greedy(server.url) == references["D"]  # step 7 holds D's weights again
-
+    bad_snapshots_never_reach_the_model(server.url, store, models, tmp_path, serves_d)
 
 def test_resync_reloads_the_base_and_replays_the_chain(live, references) -> None:
     server, _ = live
@@ -248,7 +166,7 @@ def test_a_snapshot_that_does_not_fit_the_served_model_is_refused(live, models, 
     st = wait_for(server.url, lambda s: s["failures"] > before)
     assert st["current_step"] == 7 and name in st["last_error"] and "IncompatibleSnapshotError" in st["last_error"]
     assert greedy(server.url) == references["D"]
-    _drop(store, 8, head_step=7)
+    drop_snapshot(store, 8, head_step=7)
 
 
 def test_in_flight_requests_finish_on_one_weight_version_in_wait_mode(live, models) -> None:
@@ -269,39 +187,8 @@ def test_in_flight_requests_finish_on_one_weight_version_in_wait_mode(live, mode
 def test_fifty_swaps_under_steady_load_without_a_failed_request(live, models) -> None:
     server, store = live
     weights = load_file(str(models["B"] / "model.safetensors"))
-    gen = torch.Generator().manual_seed(0)
-    stop = threading.Event()
-    outcomes: list[str | None] = []
 
-    def client() -> None:
-        with httpx.Client() as c:
-            while not stop.is_set():
-                try:
-                    generate(server.url, PROMPTS[len(outcomes) % 3], 8, client=c)
-                    outcomes.append(None)
-                except Exception as exc:  # recorded, asserted below
-                    outcomes.append(repr(exc))
+    def request(client: httpx.Client, i: int) -> None:
+        generate(server.url, PROMPTS[i % 3], 8, client=client)
 
-    threads = [threading.Thread(target=client) for _ in range(2)]
-    for t in threads:
-        t.start()
-    start_updates = status(server.url)["updates_applied"]
-    try:
-        with Publisher(str(store), PublisherConfig(base_every=20)) as pub:
-            for i in range(50):
-                step = 10 + i
-                for w in weights.values():  # an RL-sized nudge: a few ULPs on ~2% of elements
-                    mask = torch.rand(w.shape, generator=gen) < 0.02
-                    bits = w.view(torch.int16)
-                    bits[mask] += torch.randint(-2, 3, (int(mask.sum()),), generator=gen, dtype=torch.int16)
-                pub.publish(step, weights)
-                pub.flush()
-                wait_for(server.url, lambda s, step=step: s["current_step"] == step, timeout=60)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join()
-    st = status(server.url)
-    assert st["updates_applied"] - start_updates >= 50 and st["last_error"] is None
-    failed = [o for o in outcomes if o is not None]
-    assert outcomes and not failed, failed[:3]
+    swaps_under_load(server.url, store, weights, request, first_step=10)

@@ -41,6 +41,10 @@ class VllmEngineAdapter(EngineAdapter):
         #: What the served model accepts (empty when it was not loaded from a local folder).
         self.layout = read_checkpoint_layout(checkpoint_dir) if os.path.isdir(checkpoint_dir) else {}
 
+    async def describe(self) -> dict[str, Any]:
+        return {"engine": "vllm", "weight_version": await self.engine.get_weight_version(),
+                "drain": self.config.drain.value}
+
     async def swap(self, staged: StagedSnapshot) -> dict[str, float]:
         timings: dict[str, float] = {}
         if self.layout:

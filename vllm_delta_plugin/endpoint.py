@@ -27,7 +27,7 @@ class DeltaSwapEndpoint:
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         from .adapter import VllmEngineAdapter
 
-        config = PluginConfig.from_env()
+        config = PluginConfig.load()
         state.delta_swap = None
         if not config.store_url:
             log.warning("delta_swap: DELTA_SWAP_STORE is not set; the server will not follow a store")

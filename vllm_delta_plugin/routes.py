@@ -1,46 +1,5 @@
 """Admin HTTP routes mounted on vLLM's OpenAI server: status, resync, notify."""
 
-from __future__ import annotations
+from delta_swap.admin_routes import make_router
 
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
-
-router = APIRouter(prefix="/delta_swap")
-
-
-def _subscriber(request: Request):
-    sub = getattr(request.app.state, "delta_swap", None)
-    if sub is None:
-        return None, JSONResponse({"error": "delta_swap is not configured: set DELTA_SWAP_STORE"}, status_code=503)
-    return sub, None
-
-
-@router.get("/status")
-async def status(request: Request) -> JSONResponse:
-    """Current and newest snapshot, staleness, staged snapshot, last error, last phase timings."""
-    sub, error = _subscriber(request)
-    if error:
-        return error
-    engine = request.app.state.engine_client
-    return JSONResponse({**sub.status(), "engine": "vllm", "weight_version": await engine.get_weight_version(),
-                         "drain": sub.adapter.config.drain.value})
-
-
-@router.post("/resync")
-async def resync(request: Request) -> JSONResponse:
-    """Reload the newest full base and replay its deltas, even if the current chain looks fine."""
-    sub, error = _subscriber(request)
-    if error:
-        return error
-    ok = await sub.resync()
-    return JSONResponse({"resynced": ok, **sub.status()}, status_code=200 if ok else 502)
-
-
-@router.post("/notify")
-async def notify(request: Request) -> JSONResponse:
-    """A trainer announces a new snapshot: poll the store now instead of at the next interval."""
-    sub, error = _subscriber(request)
-    if error:
-        return error
-    sub.wake()
-    return JSONResponse({"accepted": True}, status_code=202)
+router = make_router("set DELTA_SWAP_STORE (and VLLM_PLUGINS=delta_swap)")

@@ -1,0 +1,156 @@
+"""Engine-agnostic pieces of the engine tests: talk to ``/delta_swap/status``, publish checkpoints,
+and play the bad-snapshot scenario every adapter must survive. The engine test modules supply
+how to check that a server still serves the last good weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import httpx
+import torch
+from safetensors.torch import load_file
+
+from delta_swap import layout
+from delta_swap.chain import encode_head
+from delta_swap.manifest import Manifest
+from delta_swap.publisher import Publisher, PublisherConfig
+
+
+def status(url: str) -> dict:
+    return httpx.get(f"{url}/delta_swap/status", timeout=30).json()
+
+
+def wait_for(url: str, pred: Callable[[dict], bool], timeout: float = 120) -> dict:
+    """Poll the status route until ``pred`` holds; fail with the last status otherwise."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = status(url)
+        if pred(st):
+            return st
+        time.sleep(0.2)
+    raise AssertionError(f"timed out; status: {json.dumps(st, indent=1)}")
+
+
+def publish_dirs(store: Path, steps: list[tuple[int, Path]]) -> None:
+    """Publish checkpoint folders as the given steps, as a trainer would."""
+    with Publisher(str(store), PublisherConfig(base_every=1000)) as pub:
+        for step, ckpt in steps:
+            pub.publish(step, load_file(str(ckpt / "model.safetensors")))
+
+
+def stage_tampered(store: Path, scratch: Path, step: int, model: Path, tamper: Callable[[Path], None]) -> None:
+    """Publish ``step`` into a copy of the store, damage it, then commit it to the live store
+    in the publisher's order (shards, manifest, HEAD)."""
+    shutil.copytree(store, scratch, dirs_exist_ok=True)
+    publish_dirs(scratch, [(step, model)])
+    sid = f"step-{step:010d}"
+    tamper(scratch / "snapshots" / sid)
+    dest = store / "snapshots" / sid
+    dest.mkdir(parents=True)
+    for f in sorted((scratch / "snapshots" / sid).iterdir(), key=lambda p: p.name == "manifest.json"):
+        shutil.copy(f, dest / f.name)
+    shutil.copy(scratch / "HEAD", store / "HEAD")
+
+
+def drop_snapshot(store: Path, step: int, head_step: int) -> None:
+    """Remove a snapshot again and point HEAD back at ``head_step`` (ids are never reused)."""
+    shutil.rmtree(store / "snapshots" / f"step-{step:010d}")
+    manifest = Manifest.from_json((store / layout.manifest_key(f"step-{head_step:010d}")).read_bytes())
+    (store / layout.HEAD_KEY).write_bytes(encode_head(manifest))
+
+
+def flip_a_shard_bit(snapshot: Path) -> None:
+    shard = next(snapshot.glob("shard-*"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x04
+    shard.write_bytes(bytes(data))
+
+
+def claim_to_follow_step_2(snapshot: Path) -> None:
+    manifest = snapshot / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc["prev_snapshot_id"] = "step-0000000002"
+    manifest.write_text(json.dumps(doc))
+
+
+def bad_snapshots_never_reach_the_model(url: str, store: Path, models: dict[str, Path], tmp_path: Path,
+                                        serves_d: Callable[[], None]) -> None:
+    """From a server on step 3 (model D): a corrupt delta (step 4), an out-of-order one (5) and a
+    missing link (7 without 6) are all refused while ``serves_d`` keeps passing; once step 6
+    shows up the server catches up to 7 (D's weights again) by itself."""
+    before = status(url)["failures"]
+    stage_tampered(store, tmp_path / "s1", 4, models["E"], flip_a_shard_bit)
+    st = wait_for(url, lambda s: s["failures"] > before)
+    assert st["current_step"] == 3 and st["newest_step"] == 4 and st["staleness_steps"] == 1
+    assert "ChecksumMismatchError" in st["last_error"]
+    assert 'delta_swap_failures_total{kind="checksum"' in httpx.get(f"{url}/metrics", timeout=30).text
+    serves_d()
+
+    drop_snapshot(store, 4, head_step=3)
+    before = status(url)["failures"]
+    stage_tampered(store, tmp_path / "s2", 5, models["E"], claim_to_follow_step_2)
+    st = wait_for(url, lambda s: s["failures"] > before)
+    assert st["current_step"] == 3 and "Checksum" in st["last_error"]
+    drop_snapshot(store, 5, head_step=3)
+
+    scratch = tmp_path / "s3"
+    shutil.copytree(store, scratch)
+    publish_dirs(scratch, [(6, models["E"]), (7, models["D"])])
+    before = status(url)["failures"]
+    shutil.copytree(scratch / "snapshots" / "step-0000000007", store / "snapshots" / "step-0000000007")
+    shutil.copy(scratch / "HEAD", store / "HEAD")
+    st = wait_for(url, lambda s: s["failures"] > before)
+    assert st["current_step"] == 3 and "step-0000000006" in st["last_error"]
+    serves_d()
+
+    shutil.copytree(scratch / "snapshots" / "step-0000000006", store / "snapshots" / "step-0000000006")
+    st = wait_for(url, lambda s: s["current_step"] == 7)
+    assert st["last_error"] is None
+    serves_d()
+
+
+def swaps_under_load(url: str, store: Path, weights: dict, request: Callable[[httpx.Client, int], object],
+                     first_step: int, swaps: int = 50) -> dict:
+    """Publish ``swaps`` RL-sized updates of ``weights`` one after another, each applied before the
+    next, while two clients keep calling ``request``; no request may fail. Returns the status."""
+    gen = torch.Generator().manual_seed(0)
+    stop = threading.Event()
+    outcomes: list[str | None] = []
+
+    def client() -> None:
+        with httpx.Client() as c:
+            while not stop.is_set():
+                try:
+                    request(c, len(outcomes))
+                    outcomes.append(None)
+                except Exception as exc:  # recorded, asserted below
+                    outcomes.append(repr(exc))
+
+    threads = [threading.Thread(target=client) for _ in range(2)]
+    for t in threads:
+        t.start()
+    start_updates = status(url)["updates_applied"]
+    try:
+        with Publisher(str(store), PublisherConfig(base_every=20)) as pub:
+            for step in range(first_step, first_step + swaps):
+                for w in weights.values():  # an RL-sized nudge: a few ULPs on ~2% of elements
+                    mask = torch.rand(w.shape, generator=gen) < 0.02
+                    bits = w.view(torch.int16)
+                    bits[mask] += torch.randint(-2, 3, (int(mask.sum()),), generator=gen, dtype=torch.int16)
+                pub.publish(step, weights)
+                pub.flush()
+                wait_for(url, lambda s, step=step: s["current_step"] == step, timeout=60)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    st = status(url)
+    assert st["updates_applied"] - start_updates >= swaps and st["last_error"] is None
+    failed = [o for o in outcomes if o is not None]
+    assert outcomes and not failed, failed[:3]
+    return st
