@@ -22,7 +22,7 @@ from .engine_adapter import EngineAdapter, StagedSnapshot
 from .errors import ChainError, DeltaSwapError
 from .manifest import Manifest
 from .metrics import failure_kind, subscriber_metrics
-from .rebuild import apply_snapshot, fetch_shards
+from .rebuild import replay
 from .stores import Store, open_store
 from .tensors import StateDict
 
@@ -152,14 +152,9 @@ class Subscriber:
             return False
         path = await self._plan(newest, force_base)
         timings: dict[str, float] = {"fetch": 0.0, "decode": 0.0, "verify": 0.0}
-        state = None if path[0].kind == "base" else self._state
-        for manifest in path:
-            t0 = time.perf_counter()
-            shards = await fetch_shards(self.reader.store, manifest, concurrency=self.config.fetch_concurrency)
-            timings["fetch"] += time.perf_counter() - t0
-            self._metrics.bytes_fetched.inc(sum(s.size for s in manifest.shards))
-            state = await asyncio.to_thread(apply_snapshot, state, manifest, shards, timings)
-        assert state is not None
+        state = await replay(self.reader.store, path, None if path[0].kind == "base" else self._state,
+                             concurrency=self.config.fetch_concurrency, timings=timings,
+                             progress=self._metrics.bytes_fetched.inc)
         target = path[-1]
         staged = StagedSnapshot(target, state, self._changed(target), self._state, dict(timings))
         self._staged_id = target.snapshot_id
@@ -201,7 +196,7 @@ class Subscriber:
                 last_error = exc
                 if not candidates and target is newest:
                     # Broken chain: fall back to the newest snapshot that can still be reached.
-                    floor = -1 if current_id is None or self._current is None else self._current.step
+                    floor = -1 if current_id is None else self._current.step
                     older = [m for m in await self.reader.list() if floor < m.step < newest.step]
                     candidates = sorted(older, key=lambda m: -m.step)
         raise last_error or ChainError(f"no path to {newest.snapshot_id}")
@@ -232,7 +227,6 @@ class Subscriber:
             "updates_applied": self._updates,
             "failures": self._failures,
         }
-
 
     def _export(self, behind: int, stale_s: float) -> None:
         m = self._metrics
