@@ -16,7 +16,7 @@ ARC v3 races its candidates and keeps the smallest one finished within 1.5x of t
 payload is deterministic and its best case. ARC payloads count the compressed blob only, not the
 adler32 string ARC carries out of band.
 
-Usage: ``python benchmarks/codec_bench.py [--steps N] [--lrs 1e-6 3e-6 1e-5] [--json PATH]``.
+Usage: ``python -m benchmarks.codec_bench [--steps N] [--lrs 1e-6 3e-6 1e-5] [--json PATH]``.
 ARC is a benchmark-only dependency: ``pip install fireworks-delta-compression==0.1.0``.
 """
 
@@ -42,8 +42,7 @@ import numpy as np
 import torch
 import zstandard
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from rl_corpus import CorpusConfig, StateDict, rl_checkpoints  # noqa: E402
+from benchmarks.rl_corpus import CorpusConfig, StateDict, rl_checkpoints  # noqa: E402
 
 METHODS = ("delta_swap", "arc_v3", "arc_v2", "xor+zstd3")
 #: torch dtype -> (safetensors name, mantissa bits, unsigned view dtype)
@@ -180,8 +179,8 @@ def _bench_lr(checkpoints: list[StateDict], methods: list[Method], repeats: int)
         elements, changed, sign_exp = elements + e, changed + c, sign_exp + s
         for pair in _pairs(old, new):
             for m in methods:
-                (payload, size), enc_s = _timed(lambda: m.encode(pair), repeats)
-                decoded, dec_s = _timed(lambda: m.decode(pair, payload), repeats)
+                (payload, size), enc_s = _timed(lambda m=m, pair=pair: m.encode(pair), repeats)
+                decoded, dec_s = _timed(lambda m=m, pair=pair, payload=payload: m.decode(pair, payload), repeats)
                 if not np.array_equal(decoded, pair.new):
                     raise SystemExit(f"round trip FAILED: {m.name}, step {step}, a {pair.dtype} tensor")
                 t = totals[m.name]

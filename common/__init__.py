@@ -1,0 +1,86 @@
+"""delta-swap: publish lossless weight deltas from a trainer, hot-swap them into running engines.
+
+Layers, bottom up (a module imports only from its own layer or those below it)::
+
+    format       codec            lossless tensor codec (sparse ULP deltas, byte planes, zstd)
+                 manifest         snapshot manifest, SnapshotKind, Encoding, validation (docs/FORMAT.md)
+                 store_keys       where every key lives in a store
+                 safetensors_io   the safetensors file format; checkpoint_dir: HF checkpoint folders
+                 dtypes, tensors, checksum, errors, settings
+    stores       stores/          one async Store interface; file://, s3:// (aiobotocore),
+                                  http(s):// (httpx, read only); retry: backoff with jitter
+    chain        chain            reading HEAD, manifests and paths through the chain
+                 rebuild          fetch, decode and verify snapshots
+                 commit           how ranks' parts become a manifest and move HEAD
+                 publisher        the trainer side: background encode, upload, commit, notify
+    rollout      served_model     what a server runs; snapshots are checked against it
+                 engine_adapter   the contract an engine adapter implements (EngineAdapter)
+                 swap             one update, all or nothing: stage, pause, swap, roll back, resume
+                 subscriber       poll, plan, fetch, verify, then apply_update
+                 metrics          Prometheus metrics of the subscriber
+    serving      admin_routes     /delta_swap/status, /resync, /notify (FastAPI)
+                 service          what an engine plugin calls: mount routes, start, stop
+                 testing          RecordingAdapter, a complete adapter with no engine
+    tools        cli              the ``delta-swap`` command
+
+Engine adapters live outside the core: ``vllm_delta_plugin`` and ``sglang_delta_plugin``.
+The names below are the public API; they are imported on first use, so ``import delta_swap``
+stays light (and does not import Prometheus before an engine has configured it).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    # trainer side
+    "Publisher": "publisher",
+    "PublisherConfig": "publisher",
+    # rollout side
+    "Settings": "settings",
+    "DrainPolicy": "settings",
+    "Subscriber": "subscriber",
+    "EngineAdapter": "engine_adapter",
+    "WeightUpdate": "engine_adapter",
+    "ServedModel": "served_model",
+    "apply_update": "swap",
+    "RecordingAdapter": "testing",
+    # format and stores
+    "Manifest": "manifest",
+    "SnapshotKind": "manifest",
+    "Encoding": "manifest",
+    "Store": "stores",
+    "open_store": "stores",
+    "register_backend": "stores",
+    # errors
+    "DeltaSwapError": "errors",
+    "ConfigError": "errors",
+    "CorruptDataError": "errors",
+    "ChecksumMismatchError": "errors",
+    "FormatVersionError": "errors",
+    "ChainError": "errors",
+    "IncompatibleSnapshotError": "errors",
+    "StoreError": "errors",
+    "NotFoundError": "errors",
+    "TransientError": "errors",
+    "PublishError": "errors",
+    "EngineError": "errors",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'delta_swap' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from . import layout
+from . import store_keys
 from .errors import ChainError, CorruptDataError, NotFoundError
-from .manifest import Manifest, check_snapshot_id
+from .manifest import Manifest, SnapshotKind, check_snapshot_id
 from .stores import Store
 
 
@@ -44,7 +44,7 @@ class ChainReader:
     async def head(self) -> Head | None:
         """The head pointer, or None for an empty store (a conditional read when it can be)."""
         try:
-            changed = await self.store.get_if_changed(layout.HEAD_KEY, self._head_etag)
+            changed = await self.store.get_if_changed(store_keys.HEAD_KEY, self._head_etag)
         except NotFoundError:
             self._head = self._head_etag = None
             return None
@@ -58,7 +58,7 @@ class ChainReader:
         cached = self._manifests.get(snapshot_id)
         if cached is not None:
             return cached
-        manifest = Manifest.from_json(await self.store.get(layout.manifest_key(snapshot_id)))
+        manifest = Manifest.from_json(await self.store.get(store_keys.manifest_key(snapshot_id)))
         if manifest.snapshot_id != snapshot_id:
             raise CorruptDataError(f"manifest at {snapshot_id} names itself {manifest.snapshot_id}")
         self._manifests[snapshot_id] = manifest
@@ -66,7 +66,7 @@ class ChainReader:
 
     async def snapshot_ids(self) -> list[str]:
         """Ids of every committed snapshot (those with a manifest), in store order."""
-        keys = await self.store.list(layout.SNAPSHOTS_PREFIX)
+        keys = await self.store.list(store_keys.SNAPSHOTS_PREFIX)
         return [k.split("/")[1] for k in keys if k.count("/") == 2 and k.endswith("/manifest.json")]
 
     async def list(self) -> list[Manifest]:
@@ -80,10 +80,10 @@ class ChainReader:
             head = await self.head()
             return [] if head is None else await self.path_to(head.snapshot_id)
         manifests = [await self.manifest(i) for i in ids]
-        return sorted(manifests, key=lambda m: (m.step, m.kind != "base"))
+        return sorted(manifests, key=lambda m: (m.step, m.kind is not SnapshotKind.BASE))
 
     async def latest_id(self) -> str | None:
-        """The newest snapshot: the head pointer, or the highest committed step if HEAD lags."""
+        """The snapshot the head pointer names (None for an empty store)."""
         head = await self.head()
         return None if head is None else head.snapshot_id
 
@@ -102,7 +102,7 @@ class ChainReader:
             if manifest.snapshot_id == current_id and len(path) > 1:
                 path.pop()  # already applied
                 break
-            if manifest.kind == "base":
+            if manifest.kind is SnapshotKind.BASE:
                 break
             prev_id = manifest.prev_snapshot_id
             assert prev_id is not None

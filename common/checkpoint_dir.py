@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import mmap
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Mapping
 
-from .errors import CorruptDataError, IncompatibleSnapshotError, NotFoundError
+from .errors import CorruptDataError, NotFoundError
 from .manifest import check_relative_name
 from .safetensors_io import MAX_HEADER_BYTES, parse_header, read_safetensors, write_safetensors
-from .tensors import HostTensor, StateDict
+from .tensors import StateDict, TensorSpecs
 
 #: Never read: pickled weights can execute code, and their tensors are in the safetensors files.
 _SKIPPED_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
@@ -46,35 +46,16 @@ def read_checkpoint_dir(path: str | os.PathLike[str]) -> tuple[StateDict, dict[s
     return state, files
 
 
-Layout = dict[str, tuple[str, tuple[int, ...]]]
-
-
-def read_checkpoint_layout(path: str | os.PathLike[str]) -> Layout:
+def read_tensor_specs(path: str | os.PathLike[str]) -> TensorSpecs:
     """Name -> (dtype, shape) of every tensor in a folder's ``*.safetensors`` (headers only)."""
-    layout: Layout = {}
+    specs: TensorSpecs = {}
     for file in sorted(Path(path).glob("*.safetensors")):
         with open(file, "rb") as fh:
             head = fh.read(8)
             prefix = head + fh.read(min(int.from_bytes(head, "little"), MAX_HEADER_BYTES))
         for name, (dtype, shape, _, _) in parse_header(prefix, file.stat().st_size).items():
-            layout[name] = (dtype, shape)
-    return layout
-
-
-def check_fits(state: Mapping[str, HostTensor], layout: Layout) -> None:
-    """Raise IncompatibleSnapshotError unless ``state`` has exactly the tensors of ``layout``, each
-    with the same dtype and shape: an engine would fail half way through loading anything else, or
-    keep tensors of another version for names the snapshot lacks."""
-    problems = [f"{name}: missing from the snapshot" for name in layout if name not in state]
-    for name, tensor in state.items():
-        want = layout.get(name)
-        if want is None:
-            problems.append(f"{name}: not in the served model")
-        elif (tensor.dtype, tuple(tensor.shape)) != (want[0], tuple(want[1])):
-            problems.append(f"{name}: {tensor.dtype}{list(tensor.shape)}, served {want[0]}{list(want[1])}")
-    if problems:
-        more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise IncompatibleSnapshotError("snapshot does not fit the served model: " + "; ".join(problems[:3]) + more)
+            specs[name] = (dtype, shape)
+    return specs
 
 
 def write_checkpoint_dir(

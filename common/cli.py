@@ -6,10 +6,10 @@ import argparse
 import asyncio
 import json
 import sys
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Iterator, Sequence
 
-from . import layout
+from . import store_keys
 from .chain import ChainReader
 from .checkpoint_dir import read_checkpoint_dir, write_checkpoint_dir
 from .checksum import verify
@@ -75,7 +75,7 @@ async def _side_files(store: Store, path: list[Manifest]) -> dict[str, bytes]:
         if manifest.files:
             files = {}
             for entry in manifest.files:
-                data = await store.get(layout.file_key(manifest.snapshot_id, entry.name))
+                data = await store.get(store_keys.file_key(manifest.snapshot_id, entry.name))
                 verify(data, entry.checksum, f"file {entry.name} of {manifest.snapshot_id}")
                 files[entry.name] = data
             return files
@@ -146,8 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except (DeltaSwapError, OSError, ValueError) as exc:
-        cause = exc.__cause__ if exc.__cause__ is not None and type(exc).__name__ == "PublishError" else exc
-        print(f"delta-swap {args.command}: error: {cause}", file=sys.stderr)
+        print(f"delta-swap {args.command}: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

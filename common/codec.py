@@ -33,6 +33,7 @@ import zstandard
 
 from .dtypes import ORDERED_FLOAT_DTYPES, dtype_size
 from .errors import CorruptDataError
+from .manifest import Encoding
 
 MAGIC = b"DSC1"
 _HEADER = struct.Struct("<4sBBBBQQ")
@@ -200,9 +201,9 @@ class _Header:
     n_changed: int
 
 
-def payload_method(payload: bytes | memoryview) -> str:
-    """``"full"`` or ``"delta"``: whether the payload needs the previous tensor."""
-    return "delta" if _read_header(memoryview(payload)).method == METHOD_DELTA else "full"
+def payload_method(payload: bytes | memoryview) -> Encoding:
+    """``Encoding.DELTA`` if the payload needs the previous tensor, else ``Encoding.FULL``."""
+    return Encoding.DELTA if _read_header(memoryview(payload)).method == METHOD_DELTA else Encoding.FULL
 
 
 def _read_header(view: memoryview) -> _Header:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import CorruptDataError
+from .errors import ConfigError, CorruptDataError
 
 #: Bytes per element of every dtype the format knows.
 DTYPE_SIZES: dict[str, int] = {
@@ -38,27 +38,27 @@ def dtype_size(dtype: str) -> int:
         raise CorruptDataError(f"unknown dtype {dtype!r}") from None
 
 
-def dtype_of_torch(torch_dtype: Any) -> str:
+def from_torch_dtype(torch_dtype: Any) -> str:
     """The safetensors name of a ``torch.dtype``."""
     name = str(torch_dtype).removeprefix("torch.")
     if name not in _TORCH_NAMES:
-        raise ValueError(f"unsupported torch dtype {torch_dtype}")
+        raise ConfigError(f"unsupported torch dtype {torch_dtype}")
     return _TORCH_NAMES[name]
 
 
-def torch_dtype_of(dtype: str) -> Any:
+def to_torch_dtype(dtype: str) -> Any:
     """The ``torch.dtype`` for a safetensors name (imports torch)."""
     import torch
 
     for torch_name, name in _TORCH_NAMES.items():
         if name == dtype:
             return getattr(torch, torch_name)
-    raise ValueError(f"unsupported dtype {dtype!r}")
+    raise ConfigError(f"unsupported dtype {dtype!r}")
 
 
-def dtype_of_numpy(np_dtype: Any) -> str:
+def from_numpy_dtype(np_dtype: Any) -> str:
     """The safetensors name of a numpy dtype (bf16/fp8 have no numpy dtype: pass raw bytes)."""
     name = str(np_dtype)
     if name not in _NUMPY_NAMES:
-        raise ValueError(f"unsupported numpy dtype {np_dtype}")
+        raise ConfigError(f"unsupported numpy dtype {np_dtype}")
     return _NUMPY_NAMES[name]

@@ -1,106 +1,110 @@
-"""The contract between the shared subscriber and an inference engine (vLLM, SGLang, ...).
+"""The contract between delta-swap's core and an inference engine (vLLM, SGLang, a third one).
 
-The subscriber does everything engine-agnostic (poll, plan, fetch, decode, verify, stage); an
-adapter only has to swap a fully verified, staged snapshot into its engine, all or nothing.
+The core does everything engine-agnostic: it follows the store, fetches, decodes and verifies
+each snapshot, checks it against the served model, and then drives the adapter through one
+update (:func:`delta_swap.swap.apply_update`)::
+
+    staged = await adapter.stage(update)        # the engine still generates
+    await adapter.pause(drain, timeout_s)       # stop generating, per the drain policy
+    await adapter.swap(update, staged)          # load the tensors, set the weight version
+    # if swap raised: the previous tensors go back in through stage + swap, then the error is raised
+    await adapter.resume()                      # always
+    await adapter.unstage(staged)               # always
+
+The core times every phase, owns the rollback, the HTTP routes, the app state and the
+subscriber's lifecycle; an adapter is one file that implements ``pause``, ``swap`` and
+``resume`` (and, if useful, ``stage``, ``unstage``, ``weight_version``, ``describe`` and
+``engine_error``).
+
+What an adapter must not do:
+
+* block the event loop (run file I/O and copies with ``asyncio.to_thread``);
+* modify the tensors of an update (they are shared with the subscriber, read only) or keep
+  references to them after ``swap`` returns, except as the engine's own weights;
+* touch the engine's weights outside ``swap``, or call ``resume`` itself;
+* raise from ``resume`` or ``unstage`` (log instead: the engine must come back);
+* fetch anything from the store: everything it needs is in the update.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from enum import Enum
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .manifest import Manifest
+from .errors import EngineError
+from .served_model import ServedModel
+from .settings import DrainPolicy
 from .tensors import StateDict
 
 
-class DrainPolicy(str, Enum):
-    """What happens to in-flight requests while weights are swapped."""
-
-    WAIT = "wait"    # stop admitting, let running requests finish (up to a timeout), then swap
-    KEEP = "keep"    # freeze running requests in place, swap, resume them on the new weights
-    ABORT = "abort"  # abort running requests, swap
-
-
 @dataclass(frozen=True)
-class SwapConfig:
-    """What every engine adapter is configured with: the store to follow and how to drain."""
+class WeightUpdate:
+    """A fully verified set of tensors to put into the engine, all or nothing."""
 
-    store_url: str | None
-    poll_interval_s: float = 2.0
-    drain: DrainPolicy = DrainPolicy.WAIT
-    #: In ``wait`` mode, abort what is still running after this many seconds.
-    drain_timeout_s: float = 30.0
-
-    #: Field -> environment variable; subclasses add their own fields here.
-    ENV: ClassVar[dict[str, str]] = {
-        "store_url": "DELTA_SWAP_STORE",
-        "poll_interval_s": "DELTA_SWAP_POLL_INTERVAL",
-        "drain": "DELTA_SWAP_DRAIN",
-        "drain_timeout_s": "DELTA_SWAP_DRAIN_TIMEOUT",
-    }
-
-    @classmethod
-    def load(cls, given: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None) -> SwapConfig:
-        """Values from ``given`` (e.g. parsed flags; None means unset), else the environment,
-        else the defaults. Raises ValueError naming a bad setting."""
-        env = os.environ if env is None else env
-        kwargs: dict[str, Any] = {}
-        for f in fields(cls):
-            value = (given or {}).get(f.name)
-            if value is None:
-                value = env.get(cls.ENV.get(f.name, ""), "") or None
-            if value is None:
-                continue
-            try:
-                kwargs[f.name] = _convert(f.default, value)
-            except ValueError as exc:
-                raise ValueError(f"bad delta-swap setting {cls.ENV.get(f.name, f.name)}={value!r}: {exc}") from None
-        kwargs.setdefault("store_url", None)
-        return cls(**kwargs)
-
-
-def _convert(default: Any, value: Any) -> Any:
-    if isinstance(default, DrainPolicy):
-        return DrainPolicy(value)
-    return float(value) if isinstance(default, float) else str(value)
-
-
-@dataclass(frozen=True)
-class StagedSnapshot:
-    """A snapshot rebuilt and verified in host memory, ready to be swapped in."""
-
-    manifest: Manifest
-    #: Every tensor of the model after this snapshot (shared with the subscriber: read only).
+    #: The weight version the engine reports afterwards (a snapshot id); None keeps its version.
+    version: str | None
+    #: Every tensor of the model after the update (read only).
     state: StateDict
-    #: Names whose bytes differ from what the engine holds now (all of them on a first sync).
-    changed: tuple[str, ...]
-    #: What the engine holds now (None before the first sync): an adapter restores the
-    #: ``changed`` tensors from it if a swap fails half way.
+    #: Tensors whose bytes differ from what the engine holds now (all of them on a first sync).
+    names: tuple[str, ...]
+    #: What the engine holds now, when known (read only).
     previous: StateDict | None = None
-    #: Seconds spent per phase so far: fetch, decode, verify.
-    timings: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def snapshot_id(self) -> str:
-        return self.manifest.snapshot_id
+    #: The publisher's checksum of each tensor of ``state``, to verify copies against.
+    checksums: Mapping[str, str] | None = None
 
 
 class EngineAdapter(ABC):
-    """Swaps staged snapshots into one running engine."""
+    """One running inference engine, driven by the core one update at a time."""
+
+    #: Engine name shown in the status route.
+    name: ClassVar[str] = "engine"
+    #: The model the engine serves: every snapshot is checked against it before it is fetched.
+    served: ServedModel = ServedModel(None, {})
+
+    async def stage(self, update: WeightUpdate) -> Any:
+        """Prepare ``update`` while the engine still generates (copy it where the engine can
+        read it, build new weights off the critical path...).
+
+        Returns: whatever ``swap`` and ``unstage`` need (default: None).
+        Raises: EngineError; the engine is not touched.
+        """
+        return None
 
     @abstractmethod
-    async def swap(self, staged: StagedSnapshot) -> dict[str, float]:
-        """Pause or drain, load ``staged.changed`` tensors, invalidate caches, set the weight
-        version to ``staged.snapshot_id``, resume. Returns timings (``pause``, ``swap``, ...).
+    async def pause(self, drain: DrainPolicy, timeout_s: float) -> None:
+        """Stop generating: finish (``WAIT``, aborting what still runs after ``timeout_s``),
+        freeze (``KEEP``) or abort (``ABORT``) in-flight requests.
 
-        Must be transactional: on any error the engine keeps serving the previous weights
-        (restoring them if it had begun loading) and the error is raised.
+        Raises: any error, after undoing a partial pause (the core then skips the swap).
         """
 
+    @abstractmethod
+    async def swap(self, update: WeightUpdate, staged: Any) -> None:
+        """Load ``update.names`` into the paused engine, drop every cache computed with the old
+        weights, and set the engine's weight version to ``update.version``.
+
+        Args: the update and what ``stage`` returned for it.
+        Raises: any error; the core restores the previous tensors through ``stage`` + ``swap``.
+        """
+
+    @abstractmethod
+    async def resume(self) -> None:
+        """Let the engine generate again (called after every pause, also after failures)."""
+
+    async def unstage(self, staged: Any) -> None:
+        """Release what ``stage`` made (called once per ``stage``, after ``resume``)."""
+
+    async def weight_version(self) -> str | None:
+        """The weight version the engine reports now (restored after a failed swap)."""
+        return None
+
     async def describe(self) -> dict[str, Any]:
-        """Engine details for the status route (engine name, its weight version, drain policy)."""
+        """Engine details for the status route (the core adds ``engine`` and ``weight_version``)."""
         return {}
+
+    def engine_error(self, exc: Exception) -> EngineError:
+        """Translate one of the engine's exceptions into delta-swap's error type (override to
+        keep the engine's message in a better shape)."""
+        return EngineError(f"{self.name}: {type(exc).__name__}: {exc}")

@@ -1,4 +1,25 @@
-"""Exceptions raised by delta-swap. Every failure a user can cause maps to one of these."""
+"""Every exception delta-swap raises, in one hierarchy.
+
+::
+
+    DeltaSwapError                    anything delta-swap refuses or fails to do
+    ├── ConfigError (ValueError)      a bad setting, flag or argument
+    ├── CorruptDataError              a payload, shard, manifest or HEAD is malformed or inconsistent
+    │   ├── ChecksumMismatchError     bytes differ from the checksum the publisher recorded
+    │   └── FormatVersionError        a format version this build cannot read
+    ├── ChainError                    snapshots do not link up (missing, out of order, foreign)
+    ├── IncompatibleSnapshotError     a snapshot does not fit the served model (names, dtypes, shapes)
+    ├── StoreError                    a store could not be reached or refused an operation
+    │   ├── NotFoundError             the key (or the store) does not exist
+    │   └── TransientError            worth retrying: timeout, 5xx, dropped connection, short body
+    ├── PublishError                  a background publish failed (the cause is chained)
+    └── EngineError                   the inference engine refused or failed a weight update
+
+Backends translate their own failures at the edge: the S3 and HTTP stores map botocore and
+httpx errors to ``StoreError`` subclasses, and each engine adapter maps its engine's errors to
+``EngineError`` in one place (``EngineAdapter.engine_error``). Everything above those layers
+sees only these types, and the command line prints any of them as one line.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +28,12 @@ class DeltaSwapError(Exception):
     """Base class of every delta-swap error."""
 
 
+class ConfigError(DeltaSwapError, ValueError):
+    """A setting, flag or argument has a value delta-swap cannot use."""
+
+
 class CorruptDataError(DeltaSwapError):
-    """A payload, shard or manifest is malformed, truncated or inconsistent."""
+    """A payload, shard, manifest or head pointer is malformed, truncated or inconsistent."""
 
 
 class ChecksumMismatchError(CorruptDataError):
@@ -33,3 +58,15 @@ class StoreError(DeltaSwapError):
 
 class NotFoundError(StoreError):
     """The key (or the store itself) does not exist."""
+
+
+class TransientError(StoreError):
+    """A failure worth retrying: timeout, 5xx, dropped connection, short body."""
+
+
+class PublishError(DeltaSwapError):
+    """A background publish failed; raised from the next publish, flush or close."""
+
+
+class EngineError(DeltaSwapError):
+    """The inference engine refused or failed a weight update (its message is kept)."""

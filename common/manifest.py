@@ -10,6 +10,7 @@ import json
 import math
 import re
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from typing import Any
 
 from .dtypes import dtype_size
@@ -18,9 +19,29 @@ from .errors import CorruptDataError, FormatVersionError
 FORMAT_NAME = "delta-swap"
 FORMAT_VERSION = 1
 
-KIND_BASE, KIND_DELTA = "base", "delta"
-#: raw: plain bytes in a safetensors shard; full/delta: codec payloads; same: unchanged, no bytes.
-ENCODINGS = ("raw", "full", "delta", "same")
+
+
+class SnapshotKind(str, Enum):
+    """A base holds every tensor in full; a delta holds the changes since ``prev_snapshot_id``."""
+
+    BASE = "base"
+    DELTA = "delta"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Encoding(str, Enum):
+    """How one tensor of a snapshot is stored."""
+
+    RAW = "raw"      # plain bytes in a safetensors shard
+    FULL = "full"    # a codec payload of the tensor on its own
+    DELTA = "delta"  # a codec payload against the same tensor in the previous snapshot
+    SAME = "same"    # unchanged since the previous snapshot: no bytes
+
+    def __str__(self) -> str:
+        return self.value
+
 
 #: Largest tensor a manifest may describe (1 TiB): bounds every allocation a reader makes.
 MAX_TENSOR_BYTES = 1 << 40
@@ -59,7 +80,7 @@ class TensorEntry:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    encoding: str
+    encoding: Encoding
     checksum: str
     shard: str | None = None
     offset: int = 0
@@ -86,7 +107,7 @@ class Manifest:
 
     snapshot_id: str
     step: int
-    kind: str
+    kind: SnapshotKind
     prev_snapshot_id: str | None
     base_snapshot_id: str
     tensors: tuple[TensorEntry, ...]
@@ -100,6 +121,11 @@ class Manifest:
     def model_bytes(self) -> int:
         """Raw bytes of every tensor of the rebuilt model."""
         return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """Name -> (dtype, shape) of every tensor of the rebuilt model."""
+        return {t.name: (t.dtype, t.shape) for t in self.tensors}
 
     @property
     def payload_bytes(self) -> int:
@@ -130,13 +156,11 @@ def _parse_manifest(doc: Any) -> Manifest:
     if version != FORMAT_VERSION:
         raise FormatVersionError(f"unsupported format version {version!r} (this build reads {FORMAT_VERSION})")
     try:
-        kind = doc["kind"]
-        if kind not in (KIND_BASE, KIND_DELTA):
-            raise CorruptDataError(f"unknown snapshot kind {kind!r}")
+        kind = _enum(SnapshotKind, doc["kind"], "snapshot kind")
         prev = doc["prev_snapshot_id"]
-        if kind == KIND_BASE and prev is not None:
+        if kind is SnapshotKind.BASE and prev is not None:
             raise CorruptDataError("a base snapshot has no prev_snapshot_id")
-        if kind == KIND_DELTA:
+        if kind is SnapshotKind.DELTA:
             check_snapshot_id(prev)
         manifest = Manifest(
             snapshot_id=check_snapshot_id(doc["snapshot_id"]),
@@ -154,6 +178,13 @@ def _parse_manifest(doc: Any) -> Manifest:
         raise CorruptDataError(f"malformed manifest: {exc!r}") from None
     _check_consistency(manifest)
     return manifest
+
+
+def _enum(cls: type[Enum], value: Any, what: str) -> Any:
+    try:
+        return cls(value)
+    except ValueError:
+        raise CorruptDataError(f"unknown {what} {value!r}") from None
 
 
 def _int(value: Any, what: str, limit: int = 1 << 62) -> int:
@@ -181,7 +212,7 @@ def _parse_tensor(doc: Any) -> TensorEntry:
         name=name,
         dtype=str(doc["dtype"]),
         shape=shape,
-        encoding=str(doc["encoding"]),
+        encoding=_enum(Encoding, doc["encoding"], f"encoding of tensor {name}"),
         checksum=str(doc["checksum"]),
         shard=None if doc.get("shard") is None else check_relative_name(doc["shard"], "shard"),
         offset=_int(doc.get("offset", 0), "offset"),
@@ -190,11 +221,9 @@ def _parse_tensor(doc: Any) -> TensorEntry:
     dtype_size(entry.dtype)
     if entry.nbytes > MAX_TENSOR_BYTES:
         raise CorruptDataError(f"tensor {name} claims {entry.nbytes} bytes")
-    if entry.encoding not in ENCODINGS:
-        raise CorruptDataError(f"tensor {name} has unknown encoding {entry.encoding!r}")
-    if (entry.encoding == "same") != (entry.shard is None):
+    if (entry.encoding is Encoding.SAME) != (entry.shard is None):
         raise CorruptDataError(f"tensor {name}: encoding {entry.encoding} with shard {entry.shard!r}")
-    if entry.encoding == "raw" and entry.length != entry.nbytes:
+    if entry.encoding is Encoding.RAW and entry.length != entry.nbytes:
         raise CorruptDataError(f"tensor {name}: raw length {entry.length} != {entry.nbytes}")
     return entry
 
@@ -221,7 +250,7 @@ def _check_consistency(m: Manifest) -> None:
             raise CorruptDataError(f"tensor {t.name} points at unknown shard {t.shard}")
         if t.offset + t.length > shards[t.shard].size:
             raise CorruptDataError(f"tensor {t.name} runs past the end of shard {t.shard}")
-        if m.kind == KIND_BASE and t.encoding != "raw":
+        if m.kind is SnapshotKind.BASE and t.encoding is not Encoding.RAW:
             raise CorruptDataError(f"base snapshot stores tensor {t.name} as {t.encoding}")
-    if m.kind == KIND_BASE and m.base_snapshot_id != m.snapshot_id:
+    if m.kind is SnapshotKind.BASE and m.base_snapshot_id != m.snapshot_id:
         raise CorruptDataError("a base snapshot must be its own base")

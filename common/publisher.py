@@ -6,30 +6,30 @@ most ``max_pending`` steps queued (bounded memory). Errors surface on the next `
 ``flush`` or ``close``.
 
 Several ranks may each publish their own subset of the tensors into one snapshot: every rank
-uploads its own shard and a *part* record; whichever rank completes the set commits the
-manifest. A snapshot is a base when every part is full; a rank whose tensors cannot be diffed
-(new tensors, changed shapes, a delta too large) stores its part in full inside a delta.
+encodes and uploads its own part, and :mod:`.commit` merges the parts into the manifest. A rank
+whose tensors cannot be diffed (new tensors, changed shapes, a delta too large) stores its part
+in full inside a delta.
 """
 
 from __future__ import annotations
 
 import asyncio
 import io
-import json
 import logging
 import queue
 import threading
-import time
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from . import codec, layout
-from .chain import ChainReader, encode_head
+from . import codec, store_keys
+from .chain import ChainReader
 from .checksum import checksum
-from .errors import ChainError, DeltaSwapError, NotFoundError
-from .manifest import KIND_BASE, KIND_DELTA, BlobEntry, Manifest, TensorEntry, snapshot_id_for_step
+from .commit import Part, commit, try_commit
+from .errors import ChainError, ConfigError, PublishError
+from .manifest import BlobEntry, Encoding, Manifest, TensorEntry, snapshot_id_for_step
 from .rebuild import rebuild
 from .safetensors_io import write_safetensors
 from .stores import Store, open_store
@@ -37,10 +37,6 @@ from .tensors import StateDict, state_to_host
 
 DELTA_SHARD_MAGIC = b"DSWPSHD1"
 log = logging.getLogger("delta_swap.publisher")
-
-
-class PublishError(DeltaSwapError):
-    """A background publish failed; raised from the next publish, flush or close."""
 
 
 @dataclass(frozen=True)
@@ -60,33 +56,6 @@ class PublisherConfig:
     #: best effort, since servers also poll.
     notify_urls: tuple[str, ...] = ()
     codec: codec.CodecConfig = field(default_factory=codec.CodecConfig)
-
-
-@dataclass
-class _Part:
-    """One rank's contribution to a snapshot."""
-
-    snapshot_id: str
-    step: int
-    rank: int
-    world_size: int
-    full: bool
-    prev_snapshot_id: str | None
-    tensors: list[TensorEntry]
-    shards: list[BlobEntry]
-    files: list[BlobEntry]
-    metadata: dict[str, str]
-
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self)).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes) -> _Part:
-        doc = json.loads(data)
-        doc["tensors"] = [TensorEntry(**{**t, "shape": tuple(t["shape"])}) for t in doc["tensors"]]
-        doc["shards"] = [BlobEntry(**b) for b in doc["shards"]]
-        doc["files"] = [BlobEntry(**b) for b in doc["files"]]
-        return cls(**doc)
 
 
 @dataclass
@@ -110,9 +79,9 @@ class Publisher:
         """``progress`` (called from the background thread) receives tensor bytes as they are
         encoded and uploaded, e.g. a progress bar's ``update``."""
         if not 0 <= config.rank < config.world_size:
-            raise ValueError(f"rank {config.rank} is outside world size {config.world_size}")
+            raise ConfigError(f"rank {config.rank} is outside world size {config.world_size}")
         if config.base_every < 1 or config.max_pending < 1:
-            raise ValueError("base_every and max_pending must be at least 1")
+            raise ConfigError("base_every and max_pending must be at least 1")
         self.config = config
         self.files = dict(files or {})
         self._progress = progress or (lambda n: None)
@@ -144,9 +113,9 @@ class Publisher:
         if self._closed:
             raise PublishError("publisher is closed")
         if self._last_step is not None and step <= self._last_step:
-            raise ValueError(f"step {step} is not after the last published step {self._last_step}")
+            raise ConfigError(f"step {step} is not after the last published step {self._last_step}")
         if not tensors:
-            raise ValueError("nothing to publish")
+            raise ConfigError("nothing to publish")
         self._last_step = step
         job = _Job(step, state_to_host(tensors), force_base, dict(metadata or {}))
         while True:
@@ -208,7 +177,7 @@ class Publisher:
             await self._resume(store, job)
         self._resumed = True
         snapshot_id = snapshot_id_for_step(job.step)
-        if await store.exists(layout.manifest_key(snapshot_id)):
+        if await store.exists(store_keys.manifest_key(snapshot_id)):
             raise ChainError(f"snapshot {snapshot_id} already exists in {store.url}")
         cadence = self._last_base_step is None or job.force_base or job.step - self._last_base_step >= cfg.base_every
         prev = self._prev_state
@@ -219,13 +188,13 @@ class Publisher:
         else:
             part, data = delta
             for shard in part.shards:
-                await store.put(layout.shard_key(snapshot_id, shard.name), data)
+                await store.put(store_keys.shard_key(snapshot_id, shard.name), data)
         if cadence or (cfg.world_size == 1 and part.full):
             self._last_base_step = job.step
         if cfg.world_size == 1:
             committed: Manifest | None = await commit(store, [part])
         else:
-            await store.put(layout.part_key(snapshot_id, cfg.rank), part.to_json())
+            await store.put(store_keys.part_key(snapshot_id, cfg.rank), part.to_json())
             committed = await try_commit(store, snapshot_id, cfg.world_size)
         if committed is not None and cfg.notify_urls:
             await notify(cfg.notify_urls, committed)
@@ -244,11 +213,11 @@ class Publisher:
         self._prev_id = manifest.snapshot_id
         self._last_base_step = (await reader.manifest(manifest.base_snapshot_id)).step
 
-    def _delta_part(self, job: _Job, snapshot_id: str) -> tuple[_Part, bytes] | None:
+    def _delta_part(self, job: _Job, snapshot_id: str) -> tuple[Part, bytes] | None:
         """Encode this rank's tensors against the previous step; None if a full part is better."""
         assert self._prev_state is not None
         cfg = self.config
-        shard = layout.shard_name(cfg.rank, cfg.world_size, "delta")
+        shard = store_keys.shard_name(cfg.rank, cfg.world_size, Encoding.DELTA)
         buf = io.BytesIO()
         buf.write(DELTA_SHARD_MAGIC)
         entries = []
@@ -258,7 +227,7 @@ class Publisher:
             digest = checksum(new.data)
             self._progress(new.nbytes)
             if np.array_equal(old.data, new.data):
-                entries.append(TensorEntry(name, new.dtype, new.shape, "same", digest))
+                entries.append(TensorEntry(name, new.dtype, new.shape, Encoding.SAME, digest))
                 continue
             payload = codec.encode_tensor_delta(old.data, new.data, new.dtype, cfg.codec)
             encoding = codec.payload_method(payload)
@@ -268,35 +237,35 @@ class Publisher:
                 return None
         data = buf.getvalue() if buf.tell() > len(DELTA_SHARD_MAGIC) else b""
         shards = [BlobEntry(shard, len(data), checksum(data))] if data else []
-        part = _Part(snapshot_id, job.step, cfg.rank, cfg.world_size, False, self._prev_id, entries, shards, [], job.metadata)
+        part = Part(snapshot_id, job.step, cfg.rank, cfg.world_size, False, self._prev_id, entries, shards, [], job.metadata)
         return part, data
 
-    async def _full_part(self, store: Store, job: _Job, snapshot_id: str) -> _Part:
+    async def _full_part(self, store: Store, job: _Job, snapshot_id: str) -> Part:
         cfg = self.config
-        shard = layout.shard_name(cfg.rank, cfg.world_size, "raw")
+        shard = store_keys.shard_name(cfg.rank, cfg.world_size, Encoding.RAW)
         buf = io.BytesIO()
         locations = await asyncio.to_thread(write_safetensors, buf, sorted(job.state.items()))
         data = buf.getbuffer()
         entries = [
-            TensorEntry(name, t.dtype, t.shape, "raw", checksum(t.data), shard, *locations[name])
+            TensorEntry(name, t.dtype, t.shape, Encoding.RAW, checksum(t.data), shard, *locations[name])
             for name, t in sorted(job.state.items())
         ]
         shard_entry = BlobEntry(shard, len(data), checksum(data))
-        await store.put(layout.shard_key(snapshot_id, shard), data)
+        await store.put(store_keys.shard_key(snapshot_id, shard), data)
         self._progress(sum(t.nbytes for t in job.state.values()))
         files = []
         if cfg.rank == 0:
             for name, content in sorted(self.files.items()):
-                await store.put(layout.file_key(snapshot_id, name), content)
+                await store.put(store_keys.file_key(snapshot_id, name), content)
                 files.append(BlobEntry(name, len(content), checksum(content)))
-        return _Part(snapshot_id, job.step, cfg.rank, cfg.world_size, True, self._prev_id, entries, [shard_entry], files, job.metadata)
+        return Part(snapshot_id, job.step, cfg.rank, cfg.world_size, True, self._prev_id, entries, [shard_entry], files, job.metadata)
 
 
 def _layout_of(state: StateDict) -> dict[str, tuple[str, tuple[int, ...]]]:
     return {name: (t.dtype, t.shape) for name, t in state.items()}
 
 
-# ---------------------------------------------------------------------- committing
+# ---------------------------------------------------------------------- notifying
 
 
 async def notify(urls: tuple[str, ...], manifest: Manifest, timeout_s: float = 2.0) -> None:
@@ -309,60 +278,3 @@ async def notify(urls: tuple[str, ...], manifest: Manifest, timeout_s: float = 2
     for url, result in zip(urls, results):
         if isinstance(result, BaseException) or result.status_code >= 400:
             log.warning("delta-swap: notifying %s failed: %s", url, result)
-
-
-async def try_commit(store: Store, snapshot_id: str, world_size: int) -> Manifest | None:
-    """Commit ``snapshot_id`` if every rank's part is present; returns the manifest or None."""
-    keys = await store.list(layout.parts_prefix(snapshot_id))
-    if len(keys) < world_size:
-        return None
-    parts = [_Part.from_json(await store.get(layout.part_key(snapshot_id, r))) for r in range(world_size)]
-    return await commit(store, parts)
-
-
-async def commit(store: Store, parts: list[_Part]) -> Manifest:
-    """Merge parts into a manifest, write it after the shards, then move the head forward."""
-    first = parts[0]
-    if {p.snapshot_id for p in parts} != {first.snapshot_id} or {p.prev_snapshot_id for p in parts} != {first.prev_snapshot_id}:
-        raise ChainError(f"ranks disagree about snapshot {first.snapshot_id} or its predecessor")
-    if sorted(p.rank for p in parts) != list(range(first.world_size)):
-        raise ChainError(f"snapshot {first.snapshot_id} has parts from ranks {sorted(p.rank for p in parts)}")
-    is_base = all(p.full for p in parts)
-    prev_id = None if is_base else first.prev_snapshot_id
-    if prev_id is None and not is_base:
-        raise ChainError(f"delta {first.snapshot_id} has no predecessor")
-    reader = ChainReader(store)
-    base_id = first.snapshot_id
-    if not is_base:
-        assert prev_id is not None
-        try:
-            base_id = (await reader.manifest(prev_id)).base_snapshot_id
-        except NotFoundError:
-            # Another rank may still be committing the previous step; its parts are all here.
-            prev_world = first.world_size
-            committed = await try_commit(store, prev_id, prev_world)
-            if committed is None:
-                raise ChainError(f"cannot commit {first.snapshot_id}: previous snapshot {prev_id} is incomplete") from None
-            base_id = committed.base_snapshot_id
-    tensors = [t for p in parts for t in p.tensors]
-    metadata: dict[str, str] = {}
-    for p in parts:
-        metadata.update(p.metadata)
-    manifest = Manifest(
-        snapshot_id=first.snapshot_id,
-        step=first.step,
-        kind=KIND_BASE if is_base else KIND_DELTA,
-        prev_snapshot_id=prev_id,
-        base_snapshot_id=base_id,
-        tensors=tuple(sorted(tensors, key=lambda t: t.name)),
-        shards=tuple(s for p in parts for s in p.shards),
-        files=tuple(f for p in parts for f in p.files),
-        created_at=time.time(),
-        metadata=metadata,
-    )
-    Manifest.from_json(manifest.to_json())  # the same validation every reader applies
-    await store.put(layout.manifest_key(manifest.snapshot_id), manifest.to_json())
-    head = await reader.head()
-    if head is None or head.step < manifest.step:
-        await store.put(layout.HEAD_KEY, encode_head(manifest))
-    return manifest

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
-from . import codec, layout
+from . import codec, store_keys
 from .chain import ChainReader
 from .checksum import checksum, verify
 from .errors import ChainError, ChecksumMismatchError, CorruptDataError
-from .manifest import Manifest
+from .manifest import Encoding, Manifest, SnapshotKind
 from .stores import Store
 from .tensors import HostTensor, StateDict
 
@@ -25,7 +25,7 @@ async def fetch_shards(store: Store, manifest: Manifest, *, concurrency: int = 4
 
     async def one(name: str, size: int, expected: str) -> tuple[str, np.ndarray]:
         async with sem:
-            data = await store.get(layout.shard_key(manifest.snapshot_id, name))
+            data = await store.get(store_keys.shard_key(manifest.snapshot_id, name))
         if len(data) != size:
             raise CorruptDataError(f"shard {name} of {manifest.snapshot_id} has {len(data)} bytes, expected {size}")
         await asyncio.to_thread(verify, data, expected, f"shard {name} of {manifest.snapshot_id}")
@@ -48,15 +48,15 @@ def apply_snapshot(
     """
     timings = {} if timings is None else timings
     decode_s = verify_s = 0.0
-    if manifest.kind == "delta" and prev is None:
+    if manifest.kind is SnapshotKind.DELTA and prev is None:
         raise ChainError(f"delta {manifest.snapshot_id} needs the state of {manifest.prev_snapshot_id}")
     state: StateDict = {}
     for t in manifest.tensors:
         old = prev.get(t.name) if prev is not None else None
-        if t.encoding in ("same", "delta"):
+        if t.encoding in (Encoding.SAME, Encoding.DELTA):
             if old is None or old.dtype != t.dtype or old.shape != t.shape:
                 raise ChainError(f"{manifest.snapshot_id}: tensor {t.name} has no matching previous tensor")
-        if t.encoding == "same":
+        if t.encoding is Encoding.SAME:
             assert old is not None
             t0 = time.perf_counter()
             unchanged = checksum(old.data) == t.checksum
@@ -68,14 +68,14 @@ def apply_snapshot(
         assert t.shard is not None
         payload = shards[t.shard][t.offset : t.offset + t.length]
         t0 = time.perf_counter()
-        if t.encoding == "raw":
+        if t.encoding is Encoding.RAW:
             data = payload
         else:
             try:
                 data = codec.decode(old.data if old is not None else None, payload, t.dtype, t.nbytes)
             except CorruptDataError as exc:
                 raise CorruptDataError(f"{manifest.snapshot_id}: tensor {t.name}: {exc}") from None
-            if t.encoding == "delta" and codec.payload_method(payload) != "delta":
+            if t.encoding is Encoding.DELTA and codec.payload_method(payload) is not Encoding.DELTA:
                 raise CorruptDataError(f"{manifest.snapshot_id}: tensor {t.name} is marked delta but is not")
         t1 = time.perf_counter()
         verify(data, t.checksum, f"tensor {t.name} of {manifest.snapshot_id}")

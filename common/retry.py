@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Awaitable, Callable, TypeVar
+from typing import TypeVar
 
-from .errors import StoreError
+from .errors import StoreError, TransientError
 
 T = TypeVar("T")
 log = logging.getLogger("delta_swap.retry")
@@ -27,10 +28,6 @@ class RetryPolicy:
     def delay(self, attempt: int) -> float:
         """Full-jitter backoff before retry number ``attempt`` (1-based)."""
         return random.uniform(0, min(self.max_delay_s, self.base_delay_s * 2 ** (attempt - 1)))
-
-
-class TransientError(StoreError):
-    """A failure worth retrying: timeout, 5xx, dropped connection, short body."""
 
 
 async def retry(op: Callable[[], Awaitable[T]], policy: RetryPolicy, what: str,

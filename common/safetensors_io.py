@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import math
 import struct
-from typing import BinaryIO, Iterable
+from collections.abc import Iterable
+from typing import BinaryIO
 
 import numpy as np
 

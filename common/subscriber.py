@@ -1,12 +1,13 @@
-"""The rollout side: follow a store's chain and hand verified snapshots to an engine adapter.
+"""The rollout side: follow a store's chain and put each verified snapshot into an engine.
 
 One :class:`Subscriber` runs per server (in the process that talks to the engine), so the
 host-memory copy of the current weights that deltas apply to exists once, not once per worker.
 It polls the head pointer, plans a path from the current snapshot to the newest (consecutive
-deltas, or the nearest base when the chain is broken or replaying would cost more), fetches and
-decodes off the event loop while the engine keeps generating, verifies every checksum, stages
-the complete next state, and only then calls the adapter. Any failure leaves the engine on the
-last good snapshot and is reported in :meth:`Subscriber.status`.
+deltas, or the nearest base when the chain is broken or replaying would cost more), checks the
+target against the served model, fetches and decodes off the event loop while the engine keeps
+generating, verifies every checksum, and only then hands a :class:`WeightUpdate` to
+:func:`~delta_swap.swap.apply_update`. Any failure leaves the engine on the last good snapshot
+and is reported in :meth:`Subscriber.status`.
 """
 
 from __future__ import annotations
@@ -14,38 +15,29 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from .chain import ChainReader
-from .engine_adapter import EngineAdapter, StagedSnapshot
-from .errors import ChainError, DeltaSwapError
-from .manifest import Manifest
+from .engine_adapter import EngineAdapter, WeightUpdate
+from .errors import ChainError, ConfigError, DeltaSwapError
+from .manifest import Manifest, SnapshotKind
 from .metrics import failure_kind, subscriber_metrics
 from .rebuild import replay
+from .settings import Settings
 from .stores import Store, open_store
+from .swap import apply_update
 from .tensors import StateDict
 
 log = logging.getLogger("delta_swap.subscriber")
 
 
-@dataclass(frozen=True)
-class SubscriberConfig:
-    """Where to pull from and how eagerly."""
-
-    store_url: str
-    poll_interval_s: float = 2.0
-    fetch_concurrency: int = 4
-    #: Replay deltas from the current snapshot while their bytes stay below this many times the
-    #: bytes of loading the target's base and its deltas; otherwise reload from the base.
-    replay_cost_ratio: float = 1.0
-
-
 class Subscriber:
     """Keeps one engine on the newest snapshot of a store."""
 
-    def __init__(self, config: SubscriberConfig, adapter: EngineAdapter, store: Store | None = None) -> None:
-        self.config = config
+    def __init__(self, settings: Settings, adapter: EngineAdapter, store: Store | None = None) -> None:
+        if not settings.store and store is None:
+            raise ConfigError("a subscriber needs a store")
+        self.settings = settings
         self.adapter = adapter
         self._store = store
         self._reader: ChainReader | None = None
@@ -68,7 +60,8 @@ class Subscriber:
     def reader(self) -> ChainReader:
         if self._reader is None:
             if self._store is None:
-                self._store = open_store(self.config.store_url, create=True)
+                assert self.settings.store
+                self._store = open_store(self.settings.store, create=True)
             self._reader = ChainReader(self._store)
         return self._reader
 
@@ -103,7 +96,7 @@ class Subscriber:
         while True:
             await self.sync()
             try:
-                await asyncio.wait_for(self._wake.wait(), self.config.poll_interval_s)
+                await asyncio.wait_for(self._wake.wait(), self.settings.poll_interval)
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()
@@ -114,7 +107,8 @@ class Subscriber:
         """Move the engine to the newest snapshot if it is not there; True if it swapped.
 
         With ``force_base`` (a resync) the newest base and its deltas are reloaded even if the
-        current chain looks fine. Never raises for store or data errors: they land in status().
+        current chain looks fine. Never raises for store, data or engine errors: they land in
+        :meth:`status`.
         """
         async with self._lock:
             try:
@@ -122,13 +116,13 @@ class Subscriber:
             except (DeltaSwapError, OSError, asyncio.TimeoutError) as exc:
                 self._record_error(exc)
                 return False
-            except Exception as exc:  # an engine adapter failing must not kill the poller
+            except Exception as exc:  # a bug must not kill the poller
                 log.exception("delta-swap update failed")
                 self._record_error(exc)
                 return False
             finally:
                 self._staged_id = None
-                self.status()  # refreshes the exported gauges
+                self._export_metrics()
 
     async def resync(self) -> bool:
         """Reload the newest full base and replay its deltas."""
@@ -151,14 +145,16 @@ class Subscriber:
         if not force_base and self._current is not None and newest.step <= self._current.step:
             return False
         path = await self._plan(newest, force_base)
-        timings: dict[str, float] = {"fetch": 0.0, "decode": 0.0, "verify": 0.0}
-        state = await replay(self.reader.store, path, None if path[0].kind == "base" else self._state,
-                             concurrency=self.config.fetch_concurrency, timings=timings,
-                             progress=self._metrics.bytes_fetched.inc)
         target = path[-1]
-        staged = StagedSnapshot(target, state, self._changed(target), self._state, dict(timings))
+        self.adapter.served.check_fits(target.specs)  # before a byte is fetched
+        timings: dict[str, float] = {"fetch": 0.0, "decode": 0.0, "verify": 0.0}
+        start = None if path[0].kind is SnapshotKind.BASE else self._state
+        state = await replay(self.reader.store, path, start, concurrency=self.settings.fetch_concurrency,
+                             timings=timings, progress=self._metrics.bytes_fetched.inc)
+        update = WeightUpdate(version=target.snapshot_id, state=state, names=self._changed(target),
+                              previous=self._state, checksums={t.name: t.checksum for t in target.tensors})
         self._staged_id = target.snapshot_id
-        timings.update(await self.adapter.swap(staged))
+        timings.update(await apply_update(self.adapter, update, self.settings))
         self._state, self._current = state, target
         self._last_timings = timings
         self._last_path = [m.snapshot_id for m in path]
@@ -179,16 +175,17 @@ class Subscriber:
 
     async def _plan(self, newest: Manifest, force_base: bool) -> list[Manifest]:
         """Snapshots to apply, oldest first, ending at the newest reachable one."""
-        current_id = None if force_base or self._current is None else self._current.snapshot_id
+        current = None if force_base else self._current
+        current_id = current and current.snapshot_id
         candidates = [newest]
         last_error: ChainError | None = None
         while candidates:
             target = candidates.pop(0)
             try:
                 path = await self.reader.path_to(target.snapshot_id, current_id)
-                if path and path[0].kind == "delta" and len(path) > 1:
+                if path and path[0].kind is SnapshotKind.DELTA and len(path) > 1:
                     from_base = await self.reader.path_to(target.snapshot_id, None)
-                    if _payload(path) > self.config.replay_cost_ratio * _payload(from_base):
+                    if _payload(path) > self.settings.replay_cost_ratio * _payload(from_base):
                         path = from_base
                 if path:
                     return path
@@ -196,7 +193,7 @@ class Subscriber:
                 last_error = exc
                 if not candidates and target is newest:
                     # Broken chain: fall back to the newest snapshot that can still be reached.
-                    floor = -1 if current_id is None else self._current.step
+                    floor = -1 if current is None else current.step
                     older = [m for m in await self.reader.list() if floor < m.step < newest.step]
                     candidates = sorted(older, key=lambda m: -m.step)
         raise last_error or ChainError(f"no path to {newest.snapshot_id}")
@@ -204,21 +201,16 @@ class Subscriber:
     # ------------------------------------------------------------------ status
 
     def status(self) -> dict[str, Any]:
-        """A JSON-ready summary for the admin route."""
+        """A JSON-ready summary of where this server stands (no side effects)."""
         cur, newest = self._current, self._newest
-        behind = 0 if newest is None or cur is None else max(0, newest.step - cur.step)
-        stale_s = 0.0
-        if newest is not None and (cur is None or newest.step > cur.step):
-            stale_s = max(0.0, time.time() - newest.created_at)
-        self._export(behind, stale_s)
         return {
-            "store": self.config.store_url,
+            "store": self.settings.store or (self._store and self._store.url),
             "current_snapshot_id": cur and cur.snapshot_id,
             "current_step": cur and cur.step,
             "newest_snapshot_id": newest and newest.snapshot_id,
             "newest_step": newest and newest.step,
-            "staleness_steps": behind if cur is not None else None,
-            "staleness_seconds": round(stale_s, 3),
+            "staleness_steps": self._staleness_steps(),
+            "staleness_seconds": round(self._staleness_seconds(), 3),
             "staged_snapshot_id": self._staged_id,
             "last_error": self._last_error,
             "last_error_at": self._last_error_at,
@@ -226,16 +218,34 @@ class Subscriber:
             "last_update_path": self._last_path,
             "updates_applied": self._updates,
             "failures": self._failures,
+            "engine": self.adapter.name,
+            "drain": self.settings.drain.value,
         }
 
-    def _export(self, behind: int, stale_s: float) -> None:
+    async def describe(self) -> dict[str, Any]:
+        """:meth:`status` plus the engine's own details (its weight version, ...)."""
+        return {**self.status(), "weight_version": await self.adapter.weight_version(),
+                **await self.adapter.describe()}
+
+    def _staleness_steps(self) -> int | None:
+        if self._current is None:
+            return None
+        return 0 if self._newest is None else max(0, self._newest.step - self._current.step)
+
+    def _staleness_seconds(self) -> float:
+        newest = self._newest
+        if newest is None or (self._current is not None and newest.step <= self._current.step):
+            return 0.0
+        return max(0.0, time.time() - newest.created_at)
+
+    def _export_metrics(self) -> None:
         m = self._metrics
         if self._current is not None:
             m.current_step.set(self._current.step)
         if self._newest is not None:
             m.newest_step.set(self._newest.step)
-        m.staleness_steps.set(behind)
-        m.staleness_seconds.set(stale_s)
+        m.staleness_steps.set(self._staleness_steps() or 0)
+        m.staleness_seconds.set(self._staleness_seconds())
 
 
 def _payload(path: list[Manifest]) -> int:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
-from .dtypes import dtype_of_numpy, dtype_of_torch, dtype_size, torch_dtype_of
+from .dtypes import dtype_size, from_numpy_dtype, from_torch_dtype, to_torch_dtype
+from .errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -34,10 +36,17 @@ class HostTensor:
         import torch
 
         raw = torch.from_numpy(self.data.copy())
-        return raw.view(torch_dtype_of(self.dtype)).reshape(self.shape)
+        return raw.view(to_torch_dtype(self.dtype)).reshape(self.shape)
 
 
 StateDict = dict[str, HostTensor]
+#: Name -> (dtype, shape) of a set of tensors: what an engine accepts, or what a snapshot holds.
+TensorSpecs = dict[str, tuple[str, tuple[int, ...]]]
+
+
+def specs_of(state: Mapping[str, HostTensor]) -> TensorSpecs:
+    """The (dtype, shape) of every tensor of ``state``."""
+    return {name: (t.dtype, tuple(t.shape)) for name, t in state.items()}
 
 
 def to_host(value: Any) -> HostTensor:
@@ -49,12 +58,12 @@ def to_host(value: Any) -> HostTensor:
         return HostTensor(value.dtype, value.shape, value.data.copy())
     if isinstance(value, np.ndarray):
         arr = np.ascontiguousarray(value)
-        return HostTensor(dtype_of_numpy(arr.dtype), tuple(arr.shape), arr.reshape(-1).view(np.uint8).copy())
+        return HostTensor(from_numpy_dtype(arr.dtype), tuple(arr.shape), arr.reshape(-1).view(np.uint8).copy())
     if type(value).__module__.startswith("torch"):
         t = value.detach().to("cpu").contiguous()
         raw = t.reshape(-1).view(__import__("torch").uint8).numpy().copy()
-        return HostTensor(dtype_of_torch(t.dtype), tuple(t.shape), raw)
-    raise TypeError(f"cannot publish a {type(value).__name__}; pass torch tensors or numpy arrays")
+        return HostTensor(from_torch_dtype(t.dtype), tuple(t.shape), raw)
+    raise ConfigError(f"cannot publish a {type(value).__name__}; pass torch tensors or numpy arrays")
 
 
 def state_to_host(tensors: Mapping[str, Any]) -> StateDict:

@@ -4,8 +4,8 @@ Everything runs on this machine: a local ``file://`` store, a tiny Llama-style m
 the spot, the ``delta-swap`` CLI, and a real vLLM server (CPU build) with the ``delta_swap``
 plugin that hot-swaps each new snapshot while it keeps answering requests.
 
-    python examples/demo.py            # the full demo
-    python examples/demo.py --no-engine  # store round trip only
+    python -m examples.demo              # the full demo (from the repository root)
+    python -m examples.demo --no-engine  # store round trip only
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import httpx
 import torch
 from safetensors.torch import load_file
 
-from delta_swap.server_process import free_port, start_server
-from delta_swap.tiny_model import make_tiny_model, perturb_weights
+from examples.server_process import free_port, start_server
+from examples.tiny_model import make_tiny_model, perturb_weights
 
 PROMPT = [5, 17, 99, 230, 41, 300, 301, 302]
 

@@ -5,4 +5,4 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv=$(bash "$root/scripts/env.sh")
 cd "$root"
-exec "$venv/bin/python" examples/demo.py "$@"
+exec "$venv/bin/python" -m examples.demo "$@"

@@ -4,8 +4,8 @@ snapshot of a store.
 * :mod:`.plugin` (``sglang.srt.plugins``) hooks SGLang through its ``HookRegistry``: the
   ``--delta-swap-*`` flags on the server's parser and, in the HTTP server process, the routes
   and the subscriber; the scheduler and detokenizer processes are left untouched;
-* :mod:`.config` holds the flags and their ``DELTA_SWAP_*`` environment fallbacks;
-* :mod:`.server` mounts :mod:`.routes` and runs the shared subscriber on the server's loop;
-* :mod:`.staging` validates tensors against the served checkpoint and packs them in shared memory;
-* :mod:`.adapter` drives one swap through the tokenizer manager (drain, update, resume).
+* :mod:`.server` mounts the admin routes and runs delta-swap's subscriber for as long as the
+  server's app lives (:mod:`delta_swap.service`);
+* :mod:`.adapter` is the engine adapter: stage, drain, update, resume through the tokenizer manager;
+* :mod:`.staging` packs tensors into one shared-memory bucket for ``update_weights_from_tensor``.
 """

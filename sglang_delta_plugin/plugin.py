@@ -8,7 +8,9 @@ import multiprocessing
 from collections.abc import Callable
 from typing import Any
 
-from . import config, server
+from delta_swap.settings import Settings
+
+from . import server
 
 _registered = False
 
@@ -32,7 +34,7 @@ def register() -> None:
 
 
 def _after_add_cli_args(result: Any, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
-    config.add_cli_args(parser)
+    Settings.add_arguments(parser)
 
 
 def _around_from_cli_args(original: Callable, cls: type, args: argparse.Namespace, *rest: Any, **kwargs: Any) -> Any:

@@ -1,8 +1,8 @@
-"""Check tensors against the served model, then pack them for SGLang's ``update_weights_from_tensor``.
+"""Pack tensors for SGLang's ``update_weights_from_tensor``.
 
 Any exception raised while SGLang's scheduler loads weights ends the whole server, so nothing
 reaches it before every name, shape and dtype matches the checkpoint the server was started
-from and every staged byte matches its checksum. Tensors travel as one ``flattened_bucket``:
+from (the core checks that) and every staged byte matches its checksum (checked here). Tensors travel as one ``flattened_bucket``:
 a single shared-memory buffer (passed to the scheduler as a file descriptor, no copy through
 the socket) plus SGLang's own metadata records, which its safe unpickler accepts.
 """
@@ -13,27 +13,27 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from delta_swap.checkpoint_dir import Layout, check_fits, read_checkpoint_layout
 from delta_swap.checksum import verify
-from delta_swap.dtypes import torch_dtype_of
+from delta_swap.dtypes import to_torch_dtype
 from delta_swap.errors import IncompatibleSnapshotError
+from delta_swap.served_model import ServedModel
 from delta_swap.tensors import HostTensor
 
 #: Each tensor starts at a multiple of this in the bucket, so SGLang's ``.view(dtype)`` is aligned.
 ALIGN = 64
 
 
-def served_layout(model_path: str) -> Layout:
-    """Name -> (dtype, shape) of every tensor in the checkpoint the server was started from."""
+def served_model(model_path: str) -> ServedModel:
+    """The checkpoint the server was started from and the tensors in it."""
     path = Path(model_path)
     if not path.is_dir():
         from huggingface_hub import snapshot_download  # a hub id: use the copy SGLang loaded
 
         path = Path(snapshot_download(model_path, allow_patterns=["*.safetensors"], local_files_only=True))
-    layout = read_checkpoint_layout(path)
-    if not layout:
+    served = ServedModel.from_checkpoint(path)
+    if not served.specs:
         raise IncompatibleSnapshotError(f"no *.safetensors in {path}: delta-swap needs safetensors checkpoints")
-    return layout
+    return served
 
 
 @dataclass
@@ -46,15 +46,15 @@ class Bucket:
     nbytes: int
 
 
-def pack(state: Mapping[str, HostTensor], names: Sequence[str], layout: Layout,
-         checksums: Mapping[str, str] | None = None, ranks: int = 1) -> Bucket:
-    """Check all of ``state`` against ``layout``, copy the ``names`` tensors into one shared-memory
-    buffer and verify the copied bytes against ``checksums`` (name -> "xxh3_128:..."), if given."""
+def pack(state: Mapping[str, HostTensor], names: Sequence[str], checksums: Mapping[str, str] | None = None,
+         ranks: int = 1) -> Bucket:
+    """Copy the ``names`` tensors of ``state`` (already checked against the served model) into one
+    shared-memory buffer and verify the copied bytes against ``checksums`` (name -> "xxh3_128:..."),
+    if given."""
     import torch
     from sglang.srt.utils import MultiprocessingSerializer
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
 
-    check_fits(state, layout)
     spans, total = [], 0
     for name in names:
         spans.append((total, total + state[name].nbytes))
@@ -68,7 +68,7 @@ def pack(state: Mapping[str, HostTensor], names: Sequence[str], layout: Layout,
         if checksums is not None:
             verify(view[start:end], checksums[name], f"staged tensor {name}")
         metadata.append(FlattenedTensorMetadata(
-            name=name, shape=torch.Size(tensor.shape), dtype=torch_dtype_of(tensor.dtype),
+            name=name, shape=torch.Size(tensor.shape), dtype=to_torch_dtype(tensor.dtype),
             start_idx=start, end_idx=end, numel=end - start,
         ))
     bucket = {"flattened_tensor": flat, "metadata": metadata}

@@ -21,7 +21,7 @@ def _run(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    from delta_swap.tiny_model import make_tiny_model, perturb_weights
+    from examples.tiny_model import make_tiny_model, perturb_weights
 
     root = tmp_path_factory.mktemp("ckpt")
     dirs = [make_tiny_model(root / "s0")]

@@ -7,15 +7,23 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import assert_state_equal, rl_steps, run
 
-from delta_swap import layout
+from delta_swap import store_keys
 from delta_swap.chain import ChainReader
-from delta_swap.errors import ChainError, ChecksumMismatchError, CorruptDataError, FormatVersionError
+from delta_swap.errors import (
+    ChainError,
+    ChecksumMismatchError,
+    ConfigError,
+    CorruptDataError,
+    FormatVersionError,
+    PublishError,
+    StoreError,
+)
 from delta_swap.manifest import snapshot_id_for_step
-from delta_swap.publisher import Publisher, PublisherConfig, PublishError
+from delta_swap.publisher import Publisher, PublisherConfig
 from delta_swap.rebuild import rebuild
 from delta_swap.stores import FileStore
+from tests.support.chains import assert_state_equal, rl_steps
 
 
 def _publish(store_dir, steps, **cfg) -> list[str]:
@@ -24,11 +32,11 @@ def _publish(store_dir, steps, **cfg) -> list[str]:
     return ids
 
 
-def test_chain_of_twelve_steps_rebuilds_every_snapshot_bit_exact(tmp_path) -> None:
+async def test_chain_of_twelve_steps_rebuilds_every_snapshot_bit_exact(tmp_path) -> None:
     steps = rl_steps(12)
     ids = _publish(tmp_path, steps, base_every=5)
     store = FileStore(tmp_path)
-    manifests = run(ChainReader(store).list())
+    manifests = await ChainReader(store).list()
     assert [m.snapshot_id for m in manifests] == ids
     assert [m.kind for m in manifests] == ["base" if i % 5 == 0 else "delta" for i in range(12)]
     for m in manifests:
@@ -37,14 +45,14 @@ def test_chain_of_twelve_steps_rebuilds_every_snapshot_bit_exact(tmp_path) -> No
         if m.kind == "delta":
             assert m.payload_bytes < 0.2 * m.model_bytes
     for i, expected in enumerate(steps):
-        manifest, state, path = run(rebuild(store, ids[i]))
+        manifest, state, path = await rebuild(store, ids[i])
         assert manifest.snapshot_id == ids[i] and path[0].kind == "base" and len(path) == i % 5 + 1
         assert_state_equal(state, expected)
     # The head names the newest snapshot; rebuild() without an id follows it.
-    assert run(rebuild(store))[0].snapshot_id == ids[-1]
+    assert (await rebuild(store))[0].snapshot_id == ids[-1]
 
 
-def test_shape_change_and_large_delta_force_a_base(tmp_path) -> None:
+async def test_shape_change_and_large_delta_force_a_base(tmp_path) -> None:
     steps = rl_steps(4)
     steps[2] = {**steps[2], "extra.bias": torch.zeros(8, dtype=torch.bfloat16)}  # tensor set changes
     steps[3] = {k: v for k, v in steps[2].items()}
@@ -53,29 +61,29 @@ def test_shape_change_and_large_delta_force_a_base(tmp_path) -> None:
     with Publisher(str(tmp_path), PublisherConfig(max_delta_fraction=0.4)) as pub:
         for i, s in enumerate(steps):
             pub.publish(i, s)
-    kinds = [m.kind for m in run(ChainReader(FileStore(tmp_path)).list())]
+    kinds = [m.kind for m in await ChainReader(FileStore(tmp_path)).list()]
     assert kinds == ["base", "delta", "base", "base"]
-    assert_state_equal(run(rebuild(FileStore(tmp_path)))[1], steps[3])
+    assert_state_equal((await rebuild(FileStore(tmp_path)))[1], steps[3])
 
 
-def test_publish_copies_tensors_so_training_can_continue(tmp_path) -> None:
+async def test_publish_copies_tensors_so_training_can_continue(tmp_path) -> None:
     w = {"w": torch.ones(64, dtype=torch.bfloat16)}
     with Publisher(str(tmp_path)) as pub:
         pub.publish(0, w)
         w["w"] += 1  # the trainer mutates in place right after publishing
-    state = run(rebuild(FileStore(tmp_path)))[1]
+    state = (await rebuild(FileStore(tmp_path)))[1]
     assert torch.equal(state["w"].to_torch(), torch.ones(64, dtype=torch.bfloat16))
 
 
-def test_resume_continues_the_chain_from_the_store(tmp_path) -> None:
+async def test_resume_continues_the_chain_from_the_store(tmp_path) -> None:
     steps = rl_steps(6)
     _publish(tmp_path, steps[:3], base_every=10)
     with Publisher(str(tmp_path), PublisherConfig(base_every=10)) as pub:
         for i in range(3, 6):
             pub.publish(i, steps[i])
-    manifests = run(ChainReader(FileStore(tmp_path)).list())
+    manifests = await ChainReader(FileStore(tmp_path)).list()
     assert [m.kind for m in manifests] == ["base"] + ["delta"] * 5
-    assert_state_equal(run(rebuild(FileStore(tmp_path)))[1], steps[5])
+    assert_state_equal((await rebuild(FileStore(tmp_path)))[1], steps[5])
 
 
 def test_errors_surface_instead_of_being_swallowed(tmp_path) -> None:
@@ -86,14 +94,14 @@ def test_errors_surface_instead_of_being_swallowed(tmp_path) -> None:
     with pytest.raises(PublishError, match="cannot publish step 1"):
         pub.flush()
     pub.close()
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError):
         Publisher(str(tmp_path), PublisherConfig(rank=2, world_size=2))
 
 
 def test_steps_must_increase(tmp_path) -> None:
     with Publisher(str(tmp_path)) as pub:
         pub.publish(5, rl_steps(1)[0])
-        with pytest.raises(ValueError, match="not after"):
+        with pytest.raises(ConfigError, match="not after"):
             pub.publish(5, rl_steps(1)[0])
 
 
@@ -107,49 +115,49 @@ def chain(tmp_path):
     return tmp_path, ids, steps
 
 
-def _shard_path(root, snapshot_id):
+async def _shard_path(root, snapshot_id):
     store = FileStore(root)
-    manifest = run(ChainReader(store).manifest(snapshot_id))
-    return root / layout.shard_key(snapshot_id, manifest.shards[0].name)
+    manifest = await ChainReader(store).manifest(snapshot_id)
+    return root / store_keys.shard_key(snapshot_id, manifest.shards[0].name)
 
 
-def test_truncated_shard_is_rejected(chain) -> None:
+async def test_truncated_shard_is_rejected(chain) -> None:
     root, ids, _ = chain
-    path = _shard_path(root, ids[2])
+    path = await _shard_path(root, ids[2])
     path.write_bytes(path.read_bytes()[:-7])
     with pytest.raises(CorruptDataError, match="bytes, expected"):
-        run(rebuild(FileStore(root), ids[3]))
+        await rebuild(FileStore(root), ids[3])
 
 
-def test_flipped_bit_in_a_shard_is_rejected(chain) -> None:
+async def test_flipped_bit_in_a_shard_is_rejected(chain) -> None:
     root, ids, _ = chain
     for sid in (ids[0], ids[2]):
-        path = _shard_path(root, sid)
+        path = await _shard_path(root, sid)
         original = path.read_bytes()
         data = bytearray(original)
         data[len(data) // 2] ^= 0x10
         path.write_bytes(bytes(data))
         with pytest.raises(ChecksumMismatchError):
-            run(rebuild(FileStore(root), ids[3]))
+            await rebuild(FileStore(root), ids[3])
         path.write_bytes(original)
-    run(rebuild(FileStore(root), ids[3]))
+    await rebuild(FileStore(root), ids[3])
 
 
 def _edit_manifest(root, snapshot_id, edit) -> None:
-    path = root / layout.manifest_key(snapshot_id)
+    path = root / store_keys.manifest_key(snapshot_id)
     doc = json.loads(path.read_text())
     edit(doc)
     path.write_text(json.dumps(doc))
 
 
-def test_tampered_manifest_checksum_is_caught(chain) -> None:
+async def test_tampered_manifest_checksum_is_caught(chain) -> None:
     """A consistent-looking shard whose tensor differs from the publisher's checksum."""
     root, ids, _ = chain
     def edit(doc):
         doc["tensors"][1]["checksum"] = "xxh3_128:" + "0" * 32
     _edit_manifest(root, ids[1], edit)
     with pytest.raises(ChecksumMismatchError):
-        run(rebuild(FileStore(root), ids[3]))
+        await rebuild(FileStore(root), ids[3])
 
 
 @pytest.mark.parametrize(
@@ -166,49 +174,47 @@ def test_tampered_manifest_checksum_is_caught(chain) -> None:
         (lambda d: d.update(kind="weird"), CorruptDataError, "unknown snapshot kind"),
     ],
 )
-def test_malformed_manifests_are_rejected(chain, edit, error, match) -> None:
+async def test_malformed_manifests_are_rejected(chain, edit, error, match) -> None:
     root, ids, _ = chain
     _edit_manifest(root, ids[2], edit)
     with pytest.raises(error, match=match):
-        run(rebuild(FileStore(root), ids[3]))
+        await rebuild(FileStore(root), ids[3])
 
 
-def test_missing_link_and_out_of_order_deltas_are_chain_errors(chain) -> None:
+async def test_missing_link_and_out_of_order_deltas_are_chain_errors(chain) -> None:
     root, ids, _ = chain
     store = FileStore(root)
-    (root / layout.manifest_key(ids[1])).unlink()
+    (root / store_keys.manifest_key(ids[1])).unlink()
     with pytest.raises(ChainError, match="not in the store"):
-        run(rebuild(store, ids[3]))
+        await rebuild(store, ids[3])
     _edit_manifest(root, ids[3], lambda d: d.update(step=1))
     with pytest.raises(ChainError, match="follows a later step"):
-        run(rebuild(FileStore(root), ids[3]))
+        await rebuild(FileStore(root), ids[3])
 
 
-def test_delta_applied_to_the_wrong_state_fails_checksums(chain) -> None:
+async def test_delta_applied_to_the_wrong_state_fails_checksums(chain) -> None:
     """Pointing a delta at another predecessor (a replayed or reordered delta) is caught."""
     root, ids, steps = chain
     _edit_manifest(root, ids[3], lambda d: d.update(prev_snapshot_id=ids[1]))
     with pytest.raises((ChecksumMismatchError, ChainError)):
-        run(rebuild(FileStore(root), ids[3]))
+        await rebuild(FileStore(root), ids[3])
 
 
-def test_base_shards_are_plain_safetensors(chain) -> None:
+async def test_base_shards_are_plain_safetensors(chain) -> None:
     from safetensors.torch import load_file
 
     root, ids, steps = chain
-    loaded = load_file(str(_shard_path(root, ids[0])))
+    loaded = load_file(str(await _shard_path(root, ids[0])))
     assert set(loaded) == set(steps[0])
     for k, v in steps[0].items():
         assert torch.equal(loaded[k], v)
-    manifest = run(ChainReader(FileStore(root)).manifest(ids[0]))
-    raw = _shard_path(root, ids[0]).read_bytes()
+    manifest = await ChainReader(FileStore(root)).manifest(ids[0])
+    raw = (await _shard_path(root, ids[0])).read_bytes()
     for t in manifest.tensors:  # manifest offsets address the tensor bytes directly
         assert np.array_equal(np.frombuffer(raw[t.offset : t.offset + t.length], np.uint8),
                               steps[0][t.name].view(torch.uint8).reshape(-1).numpy())
 
 
 def test_a_bad_store_url_fails_at_construction() -> None:
-    from delta_swap.errors import StoreError
-
     with pytest.raises(StoreError, match="unsupported store URL"):
         Publisher("gopher://nowhere/x")

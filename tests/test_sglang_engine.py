@@ -20,9 +20,11 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from delta_swap.server_process import free_port, start_server
-from delta_swap.tiny_model import make_tiny_model, perturb_weights
-from rollout_scenarios import (
+from safetensors.torch import load_file, save_file
+
+from examples.server_process import free_port, start_server
+from examples.tiny_model import make_tiny_model, perturb_weights
+from tests.support.rollout_scenarios import (
     bad_snapshots_never_reach_the_model,
     drop_snapshot,
     publish_dirs,
@@ -31,7 +33,6 @@ from rollout_scenarios import (
     swaps_under_load,
     wait_for,
 )
-from safetensors.torch import load_file, save_file
 
 pytestmark = pytest.mark.engine
 
@@ -152,7 +153,7 @@ def live(models, references, sglang_python, shim_log, tmp_path_factory):
     store = tmp / "store"
     publish_dirs(store, [(0, models["A"])])
     port = free_port()
-    argv = sglang_argv(models["A"], port) + ["--delta-swap-source", store.as_uri(), "--delta-swap-poll-interval",
+    argv = sglang_argv(models["A"], port) + ["--delta-swap-store", store.as_uri(), "--delta-swap-poll-interval",
                                              "0.2", "--delta-swap-drain", "wait", "--enable-metrics"]
     server = start_server(argv, sglang_env(shim_log, plugins="delta_swap"), tmp / "live.log", port,
                           python=sglang_python)
@@ -168,15 +169,18 @@ def test_the_plugin_adds_its_flags_to_sglangs_parser(sglang_python, shim_log) ->
     out = subprocess.run([sglang_python, "-m", "sglang.launch_server", "--help"], check=False, capture_output=True, text=True,
                          timeout=300, env={**os.environ, **sglang_env(shim_log, plugins="delta_swap")})
     assert out.returncode == 0, out.stderr[-2000:]
-    for flag in ("--delta-swap-source", "--delta-swap-poll-interval", "--delta-swap-drain",
-                 "--delta-swap-drain-timeout"):
+    for flag in ("--delta-swap-store", "--delta-swap-source", "--delta-swap-poll-interval", "--delta-swap-drain",
+                 "--delta-swap-drain-timeout", "--delta-swap-fetch-concurrency", "--delta-swap-replay-cost-ratio",
+                 "--delta-swap-staging-dir"):
         assert flag in out.stdout
 
 
 def test_swaps_are_transactional_against_a_scripted_engine(sglang_python) -> None:
     """Refused loads roll back, misfits never reach SGLang, wait mode aborts after its timeout and
-    always releases the lock (tests/sglang_adapter_probe.py, SGLang's real types, no server)."""
-    out = subprocess.run([sglang_python, str(ROOT / "tests" / "sglang_adapter_probe.py")], check=False, capture_output=True,
+    always releases the lock (tests/support/sglang_adapter_probe.py: the core's apply_update and the
+    real adapter with SGLang's real types, no server)."""
+    out = subprocess.run([sglang_python, str(ROOT / "tests" / "support" / "sglang_adapter_probe.py")], check=False,
+                         capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert out.stdout.count("ok: ") == 5, out.stdout

@@ -7,35 +7,34 @@ import struct
 
 import numpy as np
 import pytest
-from conftest import run
 
 from delta_swap.errors import CorruptDataError, NotFoundError, StoreError
 from delta_swap.safetensors_io import parse_header, read_safetensors
 from delta_swap.stores import FileStore, open_store
 
 
-def test_file_store_round_trip_list_and_ranges(tmp_path) -> None:
+async def test_file_store_round_trip_list_and_ranges(tmp_path) -> None:
     store = open_store(f"file://{tmp_path}/s", create=True)
-    run(store.put("a/b/c.bin", b"0123456789"))
-    run(store.put("a/x", b"1"))
-    assert run(store.get("a/b/c.bin")) == b"0123456789"
-    assert run(store.get("a/b/c.bin", 2, 5)) == b"234"
-    assert run(store.size("a/b/c.bin")) == 10 and run(store.size("nope")) is None
-    assert run(store.list("a/")) == ["a/b/c.bin", "a/x"]
-    assert run(store.list("a/b")) == ["a/b/c.bin"]
-    run(store.delete("a/x"))
+    await store.put("a/b/c.bin", b"0123456789")
+    await store.put("a/x", b"1")
+    assert await store.get("a/b/c.bin") == b"0123456789"
+    assert await store.get("a/b/c.bin", 2, 5) == b"234"
+    assert await store.size("a/b/c.bin") == 10 and await store.size("nope") is None
+    assert await store.list("a/") == ["a/b/c.bin", "a/x"]
+    assert await store.list("a/b") == ["a/b/c.bin"]
+    await store.delete("a/x")
     with pytest.raises(NotFoundError):
-        run(store.get("a/x"))
+        await store.get("a/x")
     assert not list((tmp_path / "s" / "a").glob(".tmp-*"))
 
 
 @pytest.mark.parametrize("key", ["../escape", "a/../../b", "/etc/passwd", "a//b", ".hidden", "a/b\x00", ""])
-def test_keys_that_could_escape_the_root_are_refused(tmp_path, key) -> None:
+async def test_keys_that_could_escape_the_root_are_refused(tmp_path, key) -> None:
     store = FileStore(tmp_path)
     with pytest.raises(StoreError):
-        run(store.put(key, b"x"))
+        await store.put(key, b"x")
     with pytest.raises(StoreError):
-        run(store.get(key))
+        await store.get(key)
 
 
 def test_missing_store_and_unknown_scheme(tmp_path) -> None:

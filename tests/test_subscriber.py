@@ -1,8 +1,8 @@
 """The engine-agnostic subscriber: planning, staging, error handling and status.
 
-The engine here is a recording adapter that keeps what it was handed; the real vLLM and
-SGLang servers are exercised in the engine tests. This module checks the subscriber's own
-logic: which path it takes, what it stages, and that bad snapshots never reach the engine.
+The engine here is delta-swap's RecordingAdapter, which keeps what it was handed; the real vLLM
+and SGLang servers are exercised in the engine tests. This module checks the subscriber's own
+logic: which path it takes, what it hands over, and that bad snapshots never reach the engine.
 """
 
 from __future__ import annotations
@@ -11,11 +11,13 @@ import asyncio
 import json
 
 import pytest
-from conftest import RecordingEngine, assert_state_equal, rl_steps
 
-from delta_swap import layout
+from delta_swap import store_keys
 from delta_swap.publisher import Publisher, PublisherConfig
-from delta_swap.subscriber import Subscriber, SubscriberConfig
+from delta_swap.settings import Settings
+from delta_swap.subscriber import Subscriber
+from delta_swap.testing import RecordingAdapter
+from tests.support.chains import assert_state_equal, rl_steps
 
 
 def _publish(root, steps, start=0, **cfg):
@@ -24,140 +26,137 @@ def _publish(root, steps, start=0, **cfg):
             pub.publish(start + i, s)
 
 
-def test_follows_deltas_and_stages_only_changed_tensors(tmp_path) -> None:
+async def test_follows_deltas_and_hands_over_only_changed_tensors(tmp_path) -> None:
     steps = rl_steps(6)
     steps[3] = dict(steps[2])  # a step where nothing changed
     _publish(tmp_path, steps[:2], base_every=100)
-    engine = RecordingEngine()
-
-    async def go():
-        sub = Subscriber(SubscriberConfig(str(tmp_path)), engine)
-        assert await sub.sync() and sub.current.step == 1
-        assert len(engine.swaps[0].changed) == len(steps[0])  # first sync: everything
-        _publish(tmp_path, steps[2:4], start=2, base_every=100)
-        assert await sub.sync() and sub.current.step == 3
-        assert [m for m in engine.swaps[1].changed]  # deltas replayed from step 1
-        assert not await sub.sync()  # nothing new
-        status = sub.status()
-        assert status["current_snapshot_id"] == "step-0000000003" and status["staleness_steps"] == 0
-        assert set(status["last_update_timings_s"]) >= {"fetch", "decode", "verify", "pause", "swap"}
-        await sub.stop()
-
-    asyncio.run(go())
+    engine = RecordingAdapter()
+    sub = Subscriber(Settings(store=str(tmp_path)), engine)
+    assert await sub.sync() and sub.current.step == 1
+    assert len(engine.updates[0].names) == len(steps[0])  # first sync: everything
+    _publish(tmp_path, steps[2:4], start=2, base_every=100)
+    assert await sub.sync() and sub.current.step == 3
+    assert engine.updates[1].names  # deltas replayed from step 1
+    assert engine.version == "step-0000000003" and engine.calls[-3:] == ["pause:wait", "swap:step-0000000003", "resume"]
+    assert not await sub.sync()  # nothing new
+    status = sub.status()
+    assert status["current_snapshot_id"] == "step-0000000003" and status["staleness_steps"] == 0
+    assert set(status["last_update_timings_s"]) >= {"fetch", "decode", "verify", "stage", "pause", "swap", "resume"}
+    assert (await sub.describe())["weight_version"] == "step-0000000003"
+    await sub.stop()
     assert_state_equal(engine.weights, steps[3])
 
 
-def test_corrupt_delta_never_reaches_the_engine_and_status_says_why(tmp_path) -> None:
+async def test_corrupt_delta_never_reaches_the_engine_and_status_says_why(tmp_path) -> None:
     steps = rl_steps(4)
     _publish(tmp_path, steps[:2], base_every=100)
-    engine = RecordingEngine()
-
-    async def go():
-        sub = Subscriber(SubscriberConfig(str(tmp_path)), engine)
-        await sub.sync()
-        _publish(tmp_path, steps[2:3], start=2, base_every=100)
-        shard = next((tmp_path / "snapshots" / "step-0000000002").glob("shard-*"))
-        data = bytearray(shard.read_bytes())
-        data[-5] ^= 1
-        shard.write_bytes(bytes(data))
-        assert not await sub.sync()
-        status = sub.status()
-        assert status["current_step"] == 1 and status["newest_step"] == 2 and status["staleness_steps"] == 1
-        assert "ChecksumMismatchError" in status["last_error"] and status["failures"] == 1
-        assert len(engine.swaps) == 1
-        # The engine refusing a swap also leaves the subscriber on the last good snapshot.
-        shard.write_bytes(bytes(data[:-5]) + bytes([data[-5] ^ 1]) + bytes(data[-4:]))
-        engine.fail_next = True
-        assert not await sub.sync()
-        assert sub.current.step == 1 and "engine refused" in sub.status()["last_error"]
-        assert await sub.sync() and sub.current.step == 2 and sub.status()["last_error"] is None
-        await sub.stop()
-
-    asyncio.run(go())
+    engine = RecordingAdapter()
+    sub = Subscriber(Settings(store=str(tmp_path)), engine)
+    await sub.sync()
+    _publish(tmp_path, steps[2:3], start=2, base_every=100)
+    shard = next((tmp_path / "snapshots" / "step-0000000002").glob("shard-*"))
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 1
+    shard.write_bytes(bytes(data))
+    assert not await sub.sync()
+    status = sub.status()
+    assert status["current_step"] == 1 and status["newest_step"] == 2 and status["staleness_steps"] == 1
+    assert "ChecksumMismatchError" in status["last_error"] and status["failures"] == 1
+    assert len(engine.updates) == 1
+    # The engine failing half way through a swap is rolled back: it holds step 1 again.
+    data[-5] ^= 1
+    shard.write_bytes(bytes(data))
+    engine.fail_next_swap = True
+    assert not await sub.sync()
+    assert sub.current.step == 1 and "engine refused" in sub.status()["last_error"]
+    assert engine.version == "step-0000000001" and engine.calls[-2:] == ["swap:step-0000000001", "resume"]
+    assert_state_equal(engine.weights, steps[1])
+    assert await sub.sync() and sub.current.step == 2 and sub.status()["last_error"] is None
+    await sub.stop()
     assert_state_equal(engine.weights, steps[2])
 
 
-def test_broken_chain_falls_back_to_the_newest_reachable_snapshot(tmp_path) -> None:
+async def test_broken_chain_falls_back_to_the_newest_reachable_snapshot(tmp_path) -> None:
     steps = rl_steps(8)
     _publish(tmp_path, steps[:2], base_every=4)
-    engine = RecordingEngine()
-
-    async def go():
-        sub = Subscriber(SubscriberConfig(str(tmp_path)), engine)
-        await sub.sync()
-        _publish(tmp_path, steps[2:7], start=2, base_every=4)  # base at 4, deltas 5, 6
-        (tmp_path / layout.manifest_key("step-0000000005")).unlink()  # 6 is unreachable
-        assert await sub.sync()
-        assert sub.current.step == 4  # the newest base still reachable
-        await sub.stop()
-
-    asyncio.run(go())
+    engine = RecordingAdapter()
+    sub = Subscriber(Settings(store=str(tmp_path)), engine)
+    await sub.sync()
+    _publish(tmp_path, steps[2:7], start=2, base_every=4)  # base at 4, deltas 5, 6
+    (tmp_path / store_keys.manifest_key("step-0000000005")).unlink()  # 6 is unreachable
+    assert await sub.sync()
+    assert sub.current.step == 4  # the newest base still reachable
+    await sub.stop()
     assert_state_equal(engine.weights, steps[4])
 
 
-def test_resync_reloads_from_the_base_and_out_of_order_deltas_are_refused(tmp_path) -> None:
+async def test_resync_reloads_from_the_base_and_out_of_order_deltas_are_refused(tmp_path) -> None:
     steps = rl_steps(5)
     _publish(tmp_path, steps[:3], base_every=100)
-    engine = RecordingEngine()
-
-    async def go():
-        sub = Subscriber(SubscriberConfig(str(tmp_path)), engine)
-        await sub.sync()
-        assert await sub.resync() and sub.current.step == 2
-        assert len(engine.swaps) == 2 and engine.swaps[1].changed == ()  # same bytes: nothing to push
-        _publish(tmp_path, steps[3:4], start=3, base_every=100)
-        manifest = tmp_path / layout.manifest_key("step-0000000003")
-        doc = json.loads(manifest.read_text())
-        doc["prev_snapshot_id"] = "step-0000000001"  # claims to follow an older snapshot
-        manifest.write_text(json.dumps(doc))
-        assert not await sub.sync()
-        assert sub.current.step == 2 and "Checksum" in sub.status()["last_error"]
-        await sub.stop()
-
-    asyncio.run(go())
+    engine = RecordingAdapter()
+    sub = Subscriber(Settings(store=str(tmp_path)), engine)
+    await sub.sync()
+    assert await sub.resync() and sub.current.step == 2
+    assert len(engine.updates) == 2 and engine.updates[1].names == ()  # same bytes: nothing to push
+    _publish(tmp_path, steps[3:4], start=3, base_every=100)
+    manifest = tmp_path / store_keys.manifest_key("step-0000000003")
+    doc = json.loads(manifest.read_text())
+    doc["prev_snapshot_id"] = "step-0000000001"  # claims to follow an older snapshot
+    manifest.write_text(json.dumps(doc))
+    assert not await sub.sync()
+    assert sub.current.step == 2 and "Checksum" in sub.status()["last_error"]
+    await sub.stop()
     assert_state_equal(engine.weights, steps[2])
 
 
 @pytest.mark.parametrize("ratio, expect_base", [(1.0, False), (0.0, True)])
-def test_replay_cost_decides_between_deltas_and_base(tmp_path, ratio, expect_base) -> None:
+async def test_replay_cost_decides_between_deltas_and_base(tmp_path, ratio, expect_base) -> None:
     steps = rl_steps(4)
     _publish(tmp_path, steps[:1], base_every=100)
-    engine = RecordingEngine()
-
-    async def go():
-        sub = Subscriber(SubscriberConfig(str(tmp_path), replay_cost_ratio=ratio), engine)
-        await sub.sync()
-        _publish(tmp_path, steps[1:], start=1, base_every=100)
-        assert await sub.sync() and sub.current.step == 3
-        path = sub.status()["last_update_path"]
-        assert path == (["step-0000000000"] if expect_base else []) + [f"step-000000000{i}" for i in (1, 2, 3)]
-        await sub.stop()
-
-    asyncio.run(go())
+    engine = RecordingAdapter()
+    sub = Subscriber(Settings(store=str(tmp_path), replay_cost_ratio=ratio), engine)
+    await sub.sync()
+    _publish(tmp_path, steps[1:], start=1, base_every=100)
+    assert await sub.sync() and sub.current.step == 3
+    path = sub.status()["last_update_path"]
+    assert path == (["step-0000000000"] if expect_base else []) + [f"step-000000000{i}" for i in (1, 2, 3)]
+    await sub.stop()
     assert_state_equal(engine.weights, steps[3])
 
 
-def test_a_push_notification_wakes_the_poller_at_once(tmp_path) -> None:
+async def test_a_snapshot_that_does_not_fit_is_refused_before_it_is_fetched(tmp_path) -> None:
+    from delta_swap.served_model import ServedModel
+
     steps = rl_steps(2)
     _publish(tmp_path, steps[:1], base_every=100)
-    engine = RecordingEngine()
+    engine = RecordingAdapter()
+    engine.served = ServedModel(None, {"embed.weight": ("BF16", (64, 32))})  # serves one tensor only
+    sub = Subscriber(Settings(store=str(tmp_path)), engine)
+    for shard in (tmp_path / "snapshots" / "step-0000000000").glob("shard-*"):
+        shard.unlink()  # a fetch would fail with NotFoundError instead
+    assert not await sub.sync()
+    assert "IncompatibleSnapshotError" in sub.status()["last_error"] and "not in the served model" in sub.status()["last_error"]
+    assert engine.calls == []
+    await sub.stop()
 
-    async def go():
-        sub = Subscriber(SubscriberConfig(str(tmp_path), poll_interval_s=3600), engine)
-        sub.start()
-        for _ in range(100):
-            if sub.current is not None:
-                break
-            await asyncio.sleep(0.05)
-        _publish(tmp_path, steps[1:], start=1, base_every=100)
-        await asyncio.sleep(0.3)
-        assert sub.current.step == 0  # the next poll is an hour away
-        sub.wake()
-        for _ in range(100):
-            if sub.current.step == 1:
-                break
-            await asyncio.sleep(0.05)
-        assert sub.current.step == 1
-        await sub.stop()
 
-    asyncio.run(go())
+async def test_a_push_notification_wakes_the_poller_at_once(tmp_path) -> None:
+    steps = rl_steps(2)
+    _publish(tmp_path, steps[:1], base_every=100)
+    engine = RecordingAdapter()
+    sub = Subscriber(Settings(store=str(tmp_path), poll_interval=3600), engine)
+    sub.start()
+    for _ in range(100):
+        if sub.current is not None:
+            break
+        await asyncio.sleep(0.05)
+    _publish(tmp_path, steps[1:], start=1, base_every=100)
+    await asyncio.sleep(0.3)
+    assert sub.current.step == 0  # the next poll is an hour away
+    sub.wake()
+    for _ in range(100):
+        if sub.current.step == 1:
+            break
+        await asyncio.sleep(0.05)
+    assert sub.current.step == 1
+    await sub.stop()

@@ -12,18 +12,20 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
-from conftest import RecordingEngine, assert_state_equal, rl_steps, run
-from fault_proxy import Fault, LoopThread, start_proxy, start_static_server
 
 from delta_swap.chain import ChainReader
 from delta_swap.errors import NotFoundError, StoreError
 from delta_swap.publisher import Publisher, PublisherConfig
 from delta_swap.rebuild import rebuild
 from delta_swap.retry import RetryPolicy
+from delta_swap.settings import Settings
 from delta_swap.stores import open_store
 from delta_swap.stores.http import HttpConfig, HttpStore
 from delta_swap.stores.s3 import S3Config, S3Store
-from delta_swap.subscriber import Subscriber, SubscriberConfig
+from delta_swap.subscriber import Subscriber
+from delta_swap.testing import RecordingAdapter
+from tests.support.chains import assert_state_equal, rl_steps
+from tests.support.fault_proxy import Fault, LoopThread, start_proxy, start_static_server
 
 FAST_RETRY = RetryPolicy(attempts=6, base_delay_s=0.01, max_delay_s=0.05, timeout_s=2.0)
 
@@ -71,42 +73,35 @@ def _s3(url: str, **cfg) -> S3Store:
     return S3Store(url, S3Config(retry=FAST_RETRY, **cfg))
 
 
-def test_s3_store_round_trip_multipart_and_ranges(s3, moto) -> None:
+async def test_s3_store_round_trip_multipart_and_ranges(s3, moto) -> None:
     big = os.urandom(13 << 20)
-
-    async def go():
-        store = _s3(s3, part_size=5 << 20, multipart_threshold=6 << 20)
-        await store.put("a/small", b"hello")
-        await store.put("a/big", big)
-        assert await store.get("a/small") == b"hello"
-        assert await store.get("a/big") == big
-        assert await store.get("a/big", 7, (5 << 20) + 3) == big[7 : (5 << 20) + 3]
-        assert await store.size("a/big") == len(big) and await store.size("nope") is None
-        assert await store.list("a/") == ["a/big", "a/small"]
-        with pytest.raises(NotFoundError):
-            await store.get("missing")
-        await store.delete("a/small")
-        assert await store.list("a/") == ["a/big"]
-        await store.close()
-
-    run(go())
+    store = _s3(s3, part_size=5 << 20, multipart_threshold=6 << 20)
+    await store.put("a/small", b"hello")
+    await store.put("a/big", big)
+    assert await store.get("a/small") == b"hello"
+    assert await store.get("a/big") == big
+    assert await store.get("a/big", 7, (5 << 20) + 3) == big[7 : (5 << 20) + 3]
+    assert await store.size("a/big") == len(big) and await store.size("nope") is None
+    assert await store.list("a/") == ["a/big", "a/small"]
+    with pytest.raises(NotFoundError):
+        await store.get("missing")
+    await store.delete("a/small")
+    assert await store.list("a/") == ["a/big"]
+    await store.close()
     methods = [(m, p) for m, p, _ in moto.log]
     assert any("uploadId" in p or m == "POST" for m, p in methods)  # multipart was used
     assert sum(1 for m, p, s in moto.log if m == "GET" and p.endswith("a/big") and s == 206) >= 3  # parallel ranges
 
 
-def test_s3_head_reads_are_conditional(s3, moto) -> None:
-    async def go():
-        store = _s3(s3)
-        await store.put("HEAD", b'{"snapshot_id": "step-0000000001", "step": 1}')
-        first = await store.get_if_changed("HEAD", None)
-        assert first is not None
-        assert await store.get_if_changed("HEAD", first[1]) is None
-        await store.put("HEAD", b'{"snapshot_id": "step-0000000002", "step": 2}')
-        assert (await store.get_if_changed("HEAD", first[1]))[0].startswith(b'{"snapshot_id": "step-0000000002"')
-        await store.close()
-
-    run(go())
+async def test_s3_head_reads_are_conditional(s3, moto) -> None:
+    store = _s3(s3)
+    await store.put("HEAD", b'{"snapshot_id": "step-0000000001", "step": 1}')
+    first = await store.get_if_changed("HEAD", None)
+    assert first is not None
+    assert await store.get_if_changed("HEAD", first[1]) is None
+    await store.put("HEAD", b'{"snapshot_id": "step-0000000002", "step": 2}')
+    assert (await store.get_if_changed("HEAD", first[1]))[0].startswith(b'{"snapshot_id": "step-0000000002"')
+    await store.close()
     assert any(s == 304 for m, p, s in moto.log if p.endswith("/HEAD"))
 
 
@@ -116,13 +111,14 @@ def _publish(url: str, steps, start: int = 0, **cfg) -> None:
             pub.publish(start + i, s)
 
 
-def test_publish_and_rebuild_over_s3(s3) -> None:
+async def test_publish_and_rebuild_over_s3(s3) -> None:
     steps = rl_steps(5)
     _publish(s3, steps)
     store = open_store(s3)
-    manifests = run(ChainReader(store).list())
+    manifests = await ChainReader(store).list()
     assert [m.kind for m in manifests] == ["base"] + ["delta"] * 4
-    assert_state_equal(run(rebuild(open_store(s3)))[1], steps[-1])
+    assert_state_equal((await rebuild(store))[1], steps[-1])
+    await store.close()
 
 
 # A fault matrix: each case ends with the right snapshot applied or the last good one kept.
@@ -136,63 +132,51 @@ TRANSIENT = {
 
 
 @pytest.mark.parametrize("case", sorted(TRANSIENT))
-def test_s3_transient_faults_end_with_the_new_snapshot(s3, moto, case) -> None:
+async def test_s3_transient_faults_end_with_the_new_snapshot(s3, moto, case) -> None:
     steps = rl_steps(3)
     _publish(s3, steps[:2])
-    engine = RecordingEngine()
-
-    async def go():
-        sub = Subscriber(SubscriberConfig(s3), engine, store=_s3(s3))
-        assert await sub.sync() and sub.current.step == 1
-        _publish(s3, steps[2:], start=2)
-        moto.add(*[Fault(**vars(f)) for f in TRANSIENT[case]])
-        assert await sub.sync(), sub.status()["last_error"]
-        assert sub.current.step == 2 and sub.status()["last_error"] is None
-        await sub.stop()
-
-    run(go())
+    engine = RecordingAdapter()
+    sub = Subscriber(Settings(store=s3), engine, store=_s3(s3))
+    assert await sub.sync() and sub.current.step == 1
+    _publish(s3, steps[2:], start=2)
+    moto.add(*[Fault(**vars(f)) for f in TRANSIENT[case]])
+    assert await sub.sync(), sub.status()["last_error"]
+    assert sub.current.step == 2 and sub.status()["last_error"] is None
+    await sub.stop()
     assert not moto.faults, "every injected fault was hit"
     assert_state_equal(engine.weights, steps[2])
 
 
-def test_s3_missing_shard_and_head_ahead_of_its_shards_keep_the_last_good(s3, moto) -> None:
+async def test_s3_missing_shard_and_head_ahead_of_its_shards_keep_the_last_good(s3, moto) -> None:
     steps = rl_steps(3)
     _publish(s3, steps[:2])
-    engine = RecordingEngine()
-
-    async def go():
-        sub = Subscriber(SubscriberConfig(s3), engine, store=_s3(s3))
-        await sub.sync()
-        _publish(s3, steps[2:], start=2)
-        # The head names a snapshot whose shard is not visible yet (eventual listing, a slow copy...).
-        moto.add(Fault("missing", path="step-0000000002/shard-", method="*", times=100))
-        assert not await sub.sync()
-        st = sub.status()
-        assert st["current_step"] == 1 and st["newest_step"] == 2 and "not found" in st["last_error"]
-        assert len(engine.swaps) == 1
-        moto.clear()  # the shard becomes visible
-        assert await sub.sync() and sub.current.step == 2
-        await sub.stop()
-
-    run(go())
+    engine = RecordingAdapter()
+    sub = Subscriber(Settings(store=s3), engine, store=_s3(s3))
+    await sub.sync()
+    _publish(s3, steps[2:], start=2)
+    # The head names a snapshot whose shard is not visible yet (eventual listing, a slow copy...).
+    moto.add(Fault("missing", path="step-0000000002/shard-", method="*", times=100))
+    assert not await sub.sync()
+    st = sub.status()
+    assert st["current_step"] == 1 and st["newest_step"] == 2 and "not found" in st["last_error"]
+    assert len(engine.updates) == 1
+    moto.clear()  # the shard becomes visible
+    assert await sub.sync() and sub.current.step == 2
+    await sub.stop()
     assert_state_equal(engine.weights, steps[2])
 
 
-def test_a_dead_store_fails_fast_and_keeps_serving(s3, moto) -> None:
+async def test_a_dead_store_fails_fast_and_keeps_serving(s3, moto) -> None:
     steps = rl_steps(2)
     _publish(s3, steps[:1])
-    engine = RecordingEngine()
-
-    async def go():
-        sub = Subscriber(SubscriberConfig(s3), engine, store=_s3(s3))
-        await sub.sync()
-        moto.add(Fault("status", path=".*", method="*", times=1000, status=500))
-        assert not await sub.sync()
-        assert sub.current.step == 0 and "failed after 6 attempts" in sub.status()["last_error"]
-        await sub.stop()
-
-    run(go())
-    assert len(engine.swaps) == 1
+    engine = RecordingAdapter()
+    sub = Subscriber(Settings(store=s3), engine, store=_s3(s3))
+    await sub.sync()
+    moto.add(Fault("status", path=".*", method="*", times=1000, status=500))
+    assert not await sub.sync()
+    assert sub.current.step == 0 and "failed after 6 attempts" in sub.status()["last_error"]
+    await sub.stop()
+    assert len(engine.updates) == 1
 
 
 # ---------------------------------------------------------------------- HTTP
@@ -207,28 +191,24 @@ def http_store(tmp_path, loop_thread):
     return root, proxy
 
 
-def test_http_store_follows_a_chain_through_faults(http_store) -> None:
+async def test_http_store_follows_a_chain_through_faults(http_store) -> None:
     root, proxy = http_store
     steps = rl_steps(4)
     _publish(str(root), steps[:2])
-    engine = RecordingEngine()
+    engine = RecordingAdapter()
     store = HttpStore(proxy.url, HttpConfig(retry=FAST_RETRY, part_size=1024))
-
-    async def go():
-        sub = Subscriber(SubscriberConfig(proxy.url), engine, store=store)
-        assert await sub.sync() and sub.current.step == 1
-        _publish(str(root), steps[2:], start=2)
-        proxy.add(Fault("status", path="shard-", times=2, status=502), Fault("truncate", path="shard-"),
-                  Fault("drop", path="manifest"))
-        assert await sub.sync() and sub.current.step == 3, sub.status()
-        assert not await sub.sync()  # unchanged head: answered 304
-        manifests = await ChainReader(store).list()  # no listing over HTTP: walks back from HEAD
-        assert [m.step for m in manifests] == [0, 1, 2, 3]
-        with pytest.raises(StoreError, match="read-only"):
-            await store.put("x", b"1")
-        await sub.stop()
-
-    run(go())
+    sub = Subscriber(Settings(store=proxy.url), engine, store=store)
+    assert await sub.sync() and sub.current.step == 1
+    _publish(str(root), steps[2:], start=2)
+    proxy.add(Fault("status", path="shard-", times=2, status=502), Fault("truncate", path="shard-"),
+              Fault("drop", path="manifest"))
+    assert await sub.sync() and sub.current.step == 3, sub.status()
+    assert not await sub.sync()  # unchanged head: answered 304
+    manifests = await ChainReader(store).list()  # no listing over HTTP: walks back from HEAD
+    assert [m.step for m in manifests] == [0, 1, 2, 3]
+    with pytest.raises(StoreError, match="read-only"):
+        await store.put("x", b"1")
+    await sub.stop()
     assert_state_equal(engine.weights, steps[3])
     assert any(s == 206 for _, _, s in proxy.log) and any(s == 304 for _, p, s in proxy.log if p == "/HEAD")
 
@@ -250,10 +230,10 @@ def test_cli_reads_over_http(http_store, tmp_path) -> None:
 
 def _follower(url: str, env: dict, target_step: int, out: str) -> None:
     os.environ.update(env)
-    engine = RecordingEngine()
+    engine = RecordingAdapter()
 
-    async def go():
-        sub = Subscriber(SubscriberConfig(url, poll_interval_s=0.1), engine)
+    async def follow():
+        sub = Subscriber(Settings(store=url, poll_interval=0.1), engine)
         sub.start()
         for _ in range(600):
             if sub.current is not None and sub.current.step == target_step:
@@ -262,7 +242,7 @@ def _follower(url: str, env: dict, target_step: int, out: str) -> None:
         await sub.stop()
         return sub.current
 
-    current = asyncio.run(go())
+    current = asyncio.run(follow())  # a process of its own, as a rollout server is
     sums = {n: xxhash.xxh3_128_hexdigest(t.data) for n, t in engine.weights.items()}
     Path(out).write_text(json.dumps({"snapshot": current and current.snapshot_id, "checksums": sums}))
 

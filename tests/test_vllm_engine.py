@@ -17,9 +17,9 @@ import pytest
 from safetensors.torch import load_file
 
 from delta_swap.publisher import Publisher, PublisherConfig
-from delta_swap.server_process import free_port, start_server
-from delta_swap.tiny_model import make_tiny_model, perturb_weights
-from rollout_scenarios import (
+from examples.server_process import free_port, start_server
+from examples.tiny_model import make_tiny_model, perturb_weights
+from tests.support.rollout_scenarios import (
     bad_snapshots_never_reach_the_model,
     drop_snapshot,
     publish_dirs,

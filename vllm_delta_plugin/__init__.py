@@ -3,9 +3,10 @@ snapshot of a store.
 
 * :mod:`.plugin` (``vllm.general_plugins``) registers the ``delta_swap`` weight-transfer backend
   in every vLLM process;
-* :mod:`.transfer_engine` is that backend, running in each worker: it loads staged tensors
+* :mod:`.endpoint` (``vllm.endpoint_plugins``) mounts the admin routes and starts delta-swap's
+  subscriber in the API server (:mod:`delta_swap.service`);
+* :mod:`.adapter` is the engine adapter: stage, drain, update, resume through vLLM's engine client;
+* :mod:`.transfer_engine` is the weight-transfer backend in each worker: it loads staged tensors
   through vLLM's layerwise reload;
-* :mod:`.endpoint` (``vllm.endpoint_plugins``) starts the shared subscriber in the API server
-  and mounts the admin routes of :mod:`.routes`;
-* :mod:`.adapter` drives one swap through vLLM's engine client (pause, update, resume).
+* :mod:`.fused` knows which tensors vLLM fuses into one parameter.
 """

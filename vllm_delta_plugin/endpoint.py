@@ -1,16 +1,15 @@
-"""``vllm.endpoint_plugins`` entry point: the subscriber and admin routes in vLLM's API server."""
+"""``vllm.endpoint_plugins`` entry point: the admin routes and the subscriber in vLLM's API server."""
 
 from __future__ import annotations
 
-import logging
 from argparse import Namespace
 from typing import Any
 
-from delta_swap.subscriber import Subscriber, SubscriberConfig
+from delta_swap import service
+from delta_swap.errors import ConfigError
+from delta_swap.settings import Settings
 
-from .config import PluginConfig
-
-log = logging.getLogger("vllm_delta_plugin")
+from .plugin import BACKEND_NAME
 
 
 class DeltaSwapEndpoint:
@@ -20,27 +19,17 @@ class DeltaSwapEndpoint:
     required_tasks = ("generate",)
 
     def attach_router(self, app: Any) -> None:
-        from .routes import router
-
-        app.include_router(router)
+        service.mount_admin_routes(app, "set DELTA_SWAP_STORE (and VLLM_PLUGINS=delta_swap)")
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
-        from .adapter import VllmEngineAdapter
+        settings = Settings.load()
+        adapter = None
+        if settings.store:
+            backend = getattr(engine_client.vllm_config.weight_transfer_config, "backend", None)
+            if backend != BACKEND_NAME:
+                raise ConfigError("delta_swap needs vLLM's weight-transfer backend: add "
+                                  f"--weight-transfer-config '{{\"backend\": \"{BACKEND_NAME}\"}}'")
+            from .adapter import VllmAdapter
 
-        config = PluginConfig.load()
-        state.delta_swap = None
-        if not config.store_url:
-            log.warning("delta_swap: DELTA_SWAP_STORE is not set; the server will not follow a store")
-            return
-        backend = getattr(engine_client.vllm_config.weight_transfer_config, "backend", None)
-        if backend != "delta_swap":
-            raise RuntimeError(
-                "delta_swap needs vLLM's weight-transfer backend: add "
-                "--weight-transfer-config '{\"backend\": \"delta_swap\"}'"
-            )
-        adapter = VllmEngineAdapter(engine_client, config, checkpoint_dir=args.model)
-        subscriber = Subscriber(SubscriberConfig(config.store_url, poll_interval_s=config.poll_interval_s), adapter)
-        state.delta_swap = subscriber
-        subscriber.start()
-        log.info("delta_swap: following %s (drain=%s)", config.store_url, config.drain.value)
-
+            adapter = VllmAdapter.for_engine(engine_client, settings, args.model)
+        service.start(state, settings, adapter)

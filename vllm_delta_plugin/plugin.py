@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .config import BACKEND_NAME
+#: The name of the weight-transfer backend (``--weight-transfer-config '{"backend": "delta_swap"}'``).
+BACKEND_NAME = "delta_swap"
 
 
 def register() -> None:

@@ -28,8 +28,11 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-from delta_swap.checkpoint_dir import read_checkpoint_layout
-from delta_swap.dtypes import dtype_of_torch
+from delta_swap.dtypes import from_torch_dtype
+from delta_swap.errors import IncompatibleSnapshotError
+from delta_swap.served_model import ServedModel
+
+from .fused import fused_group_members
 
 log = logging.getLogger("vllm_delta_plugin")
 
@@ -60,17 +63,6 @@ def _read_tensors(path: str, wanted: set[str]) -> list[tuple[str, torch.Tensor]]
     return out
 
 
-def fused_group_gaps(names: set[str], packed: dict[str, list[str]]) -> list[str]:
-    """Names missing to complete every fused group touched by ``names`` (e.g. q without k, v)."""
-    group: set[str] = set()
-    for parts in packed.values():
-        for name in names:
-            for part in parts:
-                if f".{part}." in name:
-                    group.update(name.replace(f".{part}.", f".{p}.") for p in parts)
-    return sorted(group - names)
-
-
 class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapUpdateInfo]):
     init_info_cls = DeltaSwapInitInfo
     update_info_cls = DeltaSwapUpdateInfo
@@ -78,8 +70,7 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
-        model_dir = str(vllm_config.model_config.model)
-        self._layout = read_checkpoint_layout(model_dir) if os.path.isdir(model_dir) else {}
+        self._served = ServedModel.from_checkpoint(str(vllm_config.model_config.model))
         self._packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", None) or {})
         self._active = False
 
@@ -111,17 +102,12 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         log.info("delta_swap: loaded %d tensors in %.3fs", len(weights), time.perf_counter() - started)
 
     def _validate(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        if self._layout:
-            for name, tensor in weights:
-                expected = self._layout.get(name)
-                got = (dtype_of_torch(tensor.dtype), tuple(tensor.shape))
-                if expected is None:
-                    raise ValueError(f"delta_swap: {name} is not a tensor of the served model")
-                if got != expected:
-                    raise ValueError(f"delta_swap: {name} is {got}, the served model has {expected}")
-        gaps = fused_group_gaps({name for name, _ in weights}, self._packed)
+        self._served.check_fits({name: (from_torch_dtype(t.dtype), tuple(t.shape)) for name, t in weights},
+                                complete=False)
+        names = {name for name, _ in weights}
+        gaps = sorted(fused_group_members(names, self._packed) - names)
         if gaps:
-            raise ValueError(f"delta_swap: incomplete fused groups, missing {gaps[:4]}")
+            raise IncompatibleSnapshotError(f"incomplete fused groups, missing {gaps[:4]}")
 
     def finish_weight_update(self) -> None:
         if self._active:

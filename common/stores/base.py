@@ -1,7 +1,7 @@
 """The store interface: a flat key -> bytes namespace with atomic whole-object writes.
 
-Backends (file, and later s3 and http) implement these few async methods; everything else
-(layout, manifests, chain walking) is built on top and knows nothing of the backend.
+Backends (``file.py``, ``s3.py``, ``http.py``) implement these few async methods; everything
+else (store keys, manifests, chain walking) is built on top and knows nothing of the backend.
 """
 
 from __future__ import annotations

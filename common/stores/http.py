@@ -12,8 +12,8 @@ from typing import Any
 
 import httpx
 
-from ..errors import NotFoundError, StoreError
-from ..retry import RetryPolicy, TransientError, retry
+from ..errors import NotFoundError, StoreError, TransientError
+from ..retry import RetryPolicy, retry
 from .base import RangedStore, check_key
 
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
-from ..errors import NotFoundError, StoreError
-from ..retry import RetryPolicy, TransientError, retry
+from ..errors import NotFoundError, StoreError, TransientError
+from ..retry import RetryPolicy, retry
 from .base import RangedStore, check_key
 
 

@@ -1,8 +1,8 @@
-"""Where things live in a store. Every key delta-swap reads or writes is built here."""
+"""Where things live in a store: every key delta-swap reads or writes is built here."""
 
 from __future__ import annotations
 
-from .manifest import check_relative_name, check_snapshot_id
+from .manifest import Encoding, check_relative_name, check_snapshot_id
 
 HEAD_KEY = "HEAD"
 SNAPSHOTS_PREFIX = "snapshots/"
@@ -34,6 +34,7 @@ def parts_prefix(snapshot_id: str) -> str:
     return snapshot_prefix(snapshot_id) + "parts/"
 
 
-def shard_name(rank: int, world_size: int, kind: str) -> str:
-    ext = "safetensors" if kind == "raw" else "dsd"
+def shard_name(rank: int, world_size: int, encoding: Encoding) -> str:
+    """A rank's shard: a plain safetensors file for raw tensors, else a delta shard (.dsd)."""
+    ext = "safetensors" if encoding is Encoding.RAW else "dsd"
     return f"shard-{rank:05d}-of-{world_size:05d}.{ext}"

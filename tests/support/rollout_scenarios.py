@@ -8,14 +8,14 @@ import json
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import httpx
 import torch
 from safetensors.torch import load_file
 
-from delta_swap import layout
+from delta_swap import store_keys
 from delta_swap.chain import encode_head
 from delta_swap.manifest import Manifest
 from delta_swap.publisher import Publisher, PublisherConfig
@@ -60,8 +60,8 @@ def stage_tampered(store: Path, scratch: Path, step: int, model: Path, tamper: C
 def drop_snapshot(store: Path, step: int, head_step: int) -> None:
     """Remove a snapshot again and point HEAD back at ``head_step`` (ids are never reused)."""
     shutil.rmtree(store / "snapshots" / f"step-{step:010d}")
-    manifest = Manifest.from_json((store / layout.manifest_key(f"step-{head_step:010d}")).read_bytes())
-    (store / layout.HEAD_KEY).write_bytes(encode_head(manifest))
+    manifest = Manifest.from_json((store / store_keys.manifest_key(f"step-{head_step:010d}")).read_bytes())
+    (store / store_keys.HEAD_KEY).write_bytes(encode_head(manifest))
 
 
 def flip_a_shard_bit(snapshot: Path) -> None:

@@ -1,4 +1,5 @@
-"""Transactional behaviour of ``SglangEngineAdapter`` against a scripted tokenizer manager.
+"""Transactional behaviour of ``SglangAdapter`` driven by the core's ``apply_update``, against a
+scripted tokenizer manager.
 
 Run with the SGLang environment's interpreter (tests/test_sglang_engine.py does): it uses SGLang's
 real request types, RW lock and safe unpickler, but no server, so failures SGLang cannot be made
@@ -12,17 +13,17 @@ import asyncio
 import sys
 
 import numpy as np
-from delta_swap.checksum import checksum
-from delta_swap.engine_adapter import DrainPolicy, StagedSnapshot
-from delta_swap.errors import DeltaSwapError
-from delta_swap.manifest import Manifest, TensorEntry
-from delta_swap.tensors import HostTensor
 from sglang.srt.utils import MultiprocessingSerializer
 from sglang.srt.utils.aio_rwlock import RWLock
 
-from sglang_delta_plugin.adapter import EngineUpdateError, SglangEngineAdapter
-from sglang_delta_plugin.config import PluginConfig
-from delta_swap.errors import IncompatibleSnapshotError
+from delta_swap.checksum import checksum
+from delta_swap.engine_adapter import WeightUpdate
+from delta_swap.errors import DeltaSwapError, EngineError, IncompatibleSnapshotError
+from delta_swap.served_model import ServedModel
+from delta_swap.settings import DrainPolicy, Settings
+from delta_swap.swap import apply_update
+from delta_swap.tensors import HostTensor
+from sglang_delta_plugin.adapter import SglangAdapter
 
 LAYOUT = {"a.weight": ("BF16", (4, 8)), "b.weight": ("F32", (3,))}
 
@@ -36,11 +37,10 @@ def state(fill: int) -> dict[str, HostTensor]:
     return {name: tensor(dtype, shape, fill) for name, (dtype, shape) in LAYOUT.items()}
 
 
-def staged(sid: str, new: dict[str, HostTensor], previous: dict[str, HostTensor] | None) -> StagedSnapshot:
-    entries = [TensorEntry(n, t.dtype, t.shape, "raw", checksum(t.data)) for n, t in new.items()]
-    manifest = Manifest(snapshot_id=sid, step=1, kind="base", prev_snapshot_id=None, base_snapshot_id=sid,
-                        tensors=tuple(entries), shards=())
-    return StagedSnapshot(manifest, new, tuple(sorted(new)), previous)
+def update(sid: str, new: dict[str, HostTensor], previous: dict[str, HostTensor] | None,
+           names: tuple[str, ...] | None = None) -> WeightUpdate:
+    return WeightUpdate(version=sid, state=new, names=tuple(sorted(new)) if names is None else names,
+                        previous=previous, checksums={n: checksum(t.data) for n, t in new.items()})
 
 
 class FakeTokenizerManager:
@@ -99,9 +99,12 @@ class FakeTokenizerManager:
         self.version = obj.new_version
 
 
-def adapter(tm: FakeTokenizerManager, drain: str, timeout: float = 30.0, tp_size: int = 1) -> SglangEngineAdapter:
-    config = PluginConfig(store_url="file:///unused", drain=DrainPolicy(drain), drain_timeout_s=timeout)
-    return SglangEngineAdapter(tm, config, "/nonexistent", LAYOUT, tp_size=tp_size)
+async def swap(tm: FakeTokenizerManager, drain: str, up: WeightUpdate, timeout: float = 30.0,
+               tp_size: int = 1) -> dict[str, float]:
+    """One update through the core's skeleton and the real adapter."""
+    adapter = SglangAdapter(tm, ServedModel("/nonexistent", LAYOUT), tp_size=tp_size)
+    settings = Settings(store="file:///unused", drain=DrainPolicy(drain), drain_timeout=timeout)
+    return await apply_update(adapter, up, settings)
 
 
 def check(cond: bool, what: str) -> None:
@@ -115,7 +118,7 @@ async def main() -> None:
 
     # A swap moves exactly the staged bytes to every TP rank, paused, and resumes.
     tm = FakeTokenizerManager([True])
-    timings = await adapter(tm, "keep", tp_size=2).swap(staged("s1", new, old))
+    timings = await swap(tm, "keep", update("s1", new, old), tp_size=2)
     check(tm.calls == ["pause:retract", "begin", "update:s1", "end", "continue"], f"keep swap calls {tm.calls}")
     check(tm.loaded[0] == {n: t.data.tobytes() for n, t in new.items()}, "bytes arrive unchanged")
     check(tm.ranks == 2, "one payload per tensor-parallel rank")
@@ -125,9 +128,9 @@ async def main() -> None:
     # A refused load puts the previous tensors back under the previous version, then resumes.
     tm = FakeTokenizerManager([False, True])
     try:
-        await adapter(tm, "abort").swap(staged("s2", new, old))
+        await swap(tm, "abort", update("s2", new, old))
         check(False, "a refused load must raise")
-    except EngineUpdateError as exc:
+    except EngineError as exc:
         check("refused by the scripted engine" in str(exc), str(exc))
     check(tm.calls == ["pause:abort", "pause:retract", "begin", "update:s2", "end", "begin", "update:v0", "end",
                        "continue"], f"rollback calls {tm.calls}")
@@ -139,7 +142,7 @@ async def main() -> None:
     tm = FakeTokenizerManager([])
     bad = {**new, "b.weight": tensor("F32", (4,), 2), "c.bias": tensor("F32", (1,), 2)}
     try:
-        await adapter(tm, "wait").swap(staged("s3", bad, old))
+        await swap(tm, "wait", update("s3", bad, old))
         check(False, "a misfit must raise")
     except IncompatibleSnapshotError as exc:
         check("b.weight" in str(exc) and "c.bias" in str(exc), str(exc))
@@ -157,7 +160,7 @@ async def main() -> None:
         await tm.model_update_lock.release_reader()
 
     releaser = asyncio.create_task(finish_when_aborted())
-    await adapter(tm, "wait", timeout=0.3).swap(staged("s4", new, old))
+    await swap(tm, "wait", update("s4", new, old), timeout=0.3)
     await releaser
     check(tm.calls[0] == "abort_all" and tm.calls[-1] == "continue" and "update:s4" in tm.calls, f"{tm.calls}")
     check(not tm.model_update_lock._writer_active and not tm.is_pause, "writer lock released, resumed")
@@ -165,8 +168,7 @@ async def main() -> None:
 
     # Nothing changed: only the version moves.
     tm = FakeTokenizerManager([])
-    same = StagedSnapshot(staged("s5", old, old).manifest, old, (), old)
-    await adapter(tm, "wait").swap(same)
+    await swap(tm, "wait", update("s5", old, old, names=()))
     check(tm.calls == ["pause:retract", "version:s5", "continue"], f"{tm.calls}")
     print("ok: version only")
 

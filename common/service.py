@@ -1,0 +1,50 @@
+"""Running delta-swap inside an engine's HTTP server: what an engine plugin calls, and nothing else.
+
+An engine plugin does three things, at the points its engine offers:
+
+* :func:`mount_admin_routes` when it can add routes to the server's app;
+* :func:`start` once the engine is up, with the settings and the engine adapter: it builds the
+  subscriber, attaches it to the app state and starts following the store on the running loop;
+* :func:`stop` when the server shuts down.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .admin_routes import mount_admin_routes, set_subscriber, subscriber_of
+from .engine_adapter import EngineAdapter
+from .settings import Settings
+
+log = logging.getLogger("delta_swap.service")
+
+__all__ = ["mount_admin_routes", "start", "stop"]
+
+
+def start(app_state: Any, settings: Settings, adapter: EngineAdapter | None) -> Any:
+    """Follow ``settings.store`` with ``adapter`` (call on the server's event loop); returns the
+    subscriber, or None (and the routes answer 503) when no store or adapter is configured."""
+    # Imported here: the subscriber's Prometheus metrics must register after the engine has set
+    # up its metrics (SGLang's multiprocess mode), so that they appear on the engine's /metrics.
+    from .subscriber import Subscriber
+
+    if not settings.store or adapter is None:
+        set_subscriber(app_state, None)
+        log.warning("delta-swap: no store configured (%s); the server will not follow a store",
+                    Settings.env_name("store"))
+        return None
+    subscriber = Subscriber(settings, adapter)
+    set_subscriber(app_state, subscriber)
+    subscriber.start()
+    log.info("delta-swap: %s follows %s (drain=%s, %d tensors served)", adapter.name, settings.store,
+             settings.drain.value, len(adapter.served.specs))
+    return subscriber
+
+
+async def stop(app: Any) -> None:
+    """Stop the subscriber attached to ``app`` (if any) and detach it."""
+    subscriber = subscriber_of(app)
+    set_subscriber(app.state, None)
+    if subscriber is not None:
+        await subscriber.stop()

@@ -1,0 +1,149 @@
+"""The settings of a rollout server's delta-swap, one dataclass for every engine.
+
+Each setting has one name, spelled three ways: the field ``poll_interval``, the environment
+variable ``DELTA_SWAP_POLL_INTERVAL`` and the flag ``--delta-swap-poll-interval`` (engines whose
+command line a plugin can extend, such as SGLang, get the flags; vLLM plugins read the
+environment). A flag wins over its variable, which wins over the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from enum import Enum
+from functools import cache
+from typing import Any, ClassVar
+
+from .errors import ConfigError
+
+ENV_PREFIX = "DELTA_SWAP_"
+FLAG_PREFIX = "--delta-swap-"
+
+
+class DrainPolicy(str, Enum):
+    """What happens to in-flight requests while weights are swapped."""
+
+    WAIT = "wait"    # stop admitting, let running requests finish (up to a timeout), then swap
+    KEEP = "keep"    # freeze running requests in place, swap, resume them on the new weights
+    ABORT = "abort"  # abort running requests, swap
+
+
+def _default_staging_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How a server follows a store and swaps snapshots into its engine."""
+
+    store: str | None = None
+    """Store URL to follow: file:///path or a plain path, s3://bucket/prefix, http(s)://host/path.
+    Without it the plugin stays idle."""
+
+    poll_interval: float = 2.0
+    """Seconds between polls of the store's head pointer (a trainer's notify call polls at once)."""
+
+    drain: DrainPolicy = DrainPolicy.WAIT
+    """In-flight requests during a swap: wait (finish them first, hold new ones), keep (pause them
+    in place; they continue on the new weights with their KV recomputed), abort."""
+
+    drain_timeout: float = 30.0
+    """In wait mode, abort the requests still running after this many seconds."""
+
+    fetch_concurrency: int = 4
+    """Shards of one snapshot downloaded at once."""
+
+    replay_cost_ratio: float = 1.0
+    """Replay deltas from the served snapshot while their bytes stay below this many times the
+    bytes of loading the newest base and its deltas; otherwise reload from the base."""
+
+    staging_dir: str = _default_staging_dir()
+    """Where tensors are staged for engine workers to map (vLLM; tmpfs when available)."""
+
+    #: Extra flag spellings accepted for a field (kept for command lines written before the rename).
+    FLAG_ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {"store": ("--delta-swap-source",)}
+
+    @staticmethod
+    def env_name(name: str) -> str:
+        """``poll_interval`` -> ``DELTA_SWAP_POLL_INTERVAL``."""
+        return ENV_PREFIX + name.upper()
+
+    @staticmethod
+    def flag_name(name: str) -> str:
+        """``poll_interval`` -> ``--delta-swap-poll-interval``."""
+        return FLAG_PREFIX + name.replace("_", "-")
+
+    @classmethod
+    def load(cls, flags: argparse.Namespace | Mapping[str, Any] | None = None,
+             env: Mapping[str, str] | None = None) -> Settings:
+        """Settings from parsed flags (attributes ``delta_swap_<field>``; None means not given),
+        else the environment, else the defaults. Raises ConfigError naming a bad setting."""
+        env = os.environ if env is None else env
+        given = vars(flags) if isinstance(flags, argparse.Namespace) else dict(flags or {})
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            source, value = cls.flag_name(f.name), given.get("delta_swap_" + f.name)
+            if value is None:
+                source, value = cls.env_name(f.name), env.get(cls.env_name(f.name)) or None
+            if value is None:
+                continue
+            try:
+                values[f.name] = _converter(str(f.type))(value)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"bad delta-swap setting {source}={value!r}: {exc}") from None
+        return cls(**values)
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """Add a ``--delta-swap-*`` flag for every setting (idempotent)."""
+        if any(cls.flag_name("store") in a.option_strings for a in parser._actions):
+            return
+        group = parser.add_argument_group("delta-swap", "Follow a delta-swap store and hot-swap each new snapshot.")
+        docs = field_docs(cls)
+        for f in fields(cls):
+            kind = _converter(str(f.type))
+            extra: dict[str, Any] = {}
+            if isinstance(f.default, Enum):
+                extra["choices"] = [m.value for m in type(f.default)]
+            help_text = f"{docs.get(f.name, '')} Env: {cls.env_name(f.name)} (default {_shown(f.default)})."
+            group.add_argument(cls.flag_name(f.name), *cls.FLAG_ALIASES.get(f.name, ()),
+                               dest="delta_swap_" + f.name, default=None, metavar=f.name.upper(),
+                               type=str if extra else kind, help=help_text.replace("%", "%%"), **extra)
+
+
+def _shown(default: Any) -> str:
+    return default.value if isinstance(default, Enum) else str(default)
+
+
+def _converter(annotation: str) -> Callable[[Any], Any]:
+    base = annotation.replace(" | None", "").replace("None | ", "")
+    return {"str": str, "float": float, "int": int, "bool": _boolean, "DrainPolicy": DrainPolicy}[base]
+
+
+def _boolean(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("expected true or false")
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field of a dataclass, by field name."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs: dict[str, str] = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs

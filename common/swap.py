@@ -1,0 +1,100 @@
+"""One update of a running engine, all or nothing: the skeleton every engine adapter plugs into.
+
+:func:`apply_update` checks the update against the served model, stages it while the engine
+generates, pauses, swaps, rolls back to the previous tensors if the swap fails, and always
+resumes. It times each phase (``stage``, ``pause``, ``swap``, ``rollback``, ``resume``) and
+translates engine failures into :class:`~delta_swap.errors.EngineError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from .checkpoint_dir import read_checkpoint_dir
+from .engine_adapter import EngineAdapter, WeightUpdate
+from .errors import DeltaSwapError, EngineError
+from .settings import Settings
+from .tensors import specs_of
+
+log = logging.getLogger("delta_swap.swap")
+
+
+@contextmanager
+def timed(timings: dict[str, float], phase: str) -> Iterator[None]:
+    """Add the seconds spent in the ``with`` block to ``timings[phase]``."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[phase] = timings.get(phase, 0.0) + time.perf_counter() - start
+
+
+async def apply_update(adapter: EngineAdapter, update: WeightUpdate, settings: Settings) -> dict[str, float]:
+    """Put ``update`` into the engine behind ``adapter``; returns the seconds of each phase.
+
+    Raises IncompatibleSnapshotError before touching the engine when the update does not fit
+    the served model, and EngineError (after restoring the previous tensors) when the engine
+    fails the swap. The engine resumes in every case.
+    """
+    adapter.served.check_fits(specs_of(update.state))
+    version_before = await _engine_call(adapter, adapter.weight_version())
+    timings: dict[str, float] = {}
+    with timed(timings, "stage"):
+        staged = await _engine_call(adapter, adapter.stage(update))
+    try:
+        with timed(timings, "pause"):
+            await _engine_call(adapter, adapter.pause(settings.drain, settings.drain_timeout))
+        try:
+            with timed(timings, "swap"):
+                await _engine_call(adapter, adapter.swap(update, staged))
+        except BaseException as exc:
+            with timed(timings, "rollback"):
+                await _rollback(adapter, update, version_before)
+            if isinstance(exc, DeltaSwapError):
+                raise
+            raise adapter.engine_error(exc) from exc
+        finally:
+            with timed(timings, "resume"):
+                await _quietly(adapter.resume(), "resume")
+    finally:
+        await _quietly(adapter.unstage(staged), "unstage")
+    return timings
+
+
+async def _engine_call(adapter: EngineAdapter, call: object) -> object:
+    """Await an adapter call, translating the engine's own exceptions."""
+    try:
+        return await call  # type: ignore[misc]
+    except (DeltaSwapError, asyncio.CancelledError):
+        raise
+    except Exception as exc:
+        raise adapter.engine_error(exc) from exc
+
+
+async def _rollback(adapter: EngineAdapter, failed: WeightUpdate, version: str | None) -> None:
+    """Put the tensors of ``failed.names`` and the weight version back as they were."""
+    log.error("delta-swap: swapping in %s failed, restoring the previous weights", failed.version)
+    previous = failed.previous
+    if previous is None or any(name not in previous for name in failed.names):
+        # First sync: the tensors the server started with, memory-mapped from its checkpoint.
+        if adapter.served.checkpoint_dir is None:
+            raise EngineError("the swap failed and the served checkpoint is unknown: cannot restore the previous weights")
+        previous, _ = await asyncio.to_thread(read_checkpoint_dir, adapter.served.checkpoint_dir)
+    back = WeightUpdate(version=version, state=previous, names=tuple(n for n in failed.names if n in previous),
+                        previous=failed.state)
+    staged = await _engine_call(adapter, adapter.stage(back))
+    try:
+        await _engine_call(adapter, adapter.swap(back, staged))
+    finally:
+        await _quietly(adapter.unstage(staged), "unstage")
+
+
+async def _quietly(call: object, what: str) -> None:
+    try:
+        await call  # type: ignore[misc]
+    except Exception:
+        log.exception("delta-swap: %s failed", what)

@@ -1,0 +1,1 @@
+"""delta-swap test suite (engine-free core tests, transports, and real vLLM / SGLang servers)."""
