@@ -1,12 +1,21 @@
 """The admin HTTP routes of a rollout server: ``GET /delta_swap/status``, ``POST /delta_swap/resync``
 and ``POST /delta_swap/notify``. Engine-agnostic (FastAPI, which vLLM and SGLang both serve with).
 
+``status`` is open to anyone and shows no secret. The POST routes move weights or make the server
+poll, so they need ``Authorization: Bearer <admin_token>`` when the server has a token (compared
+in constant time), and otherwise answer loopback clients only. One resync runs at a time (another
+gets 409), and a resync never moves the server to an older step unless the request says
+``?allow_older=1``.
+
 The server's subscriber lives on the app's state under one attribute, read and written only
 through :func:`subscriber_of` and :func:`set_subscriber`.
 """
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
+import logging
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -14,6 +23,8 @@ from fastapi.responses import JSONResponse
 
 if TYPE_CHECKING:
     from .subscriber import Subscriber
+
+log = logging.getLogger("delta_swap.admin")
 
 #: The attribute of ``app.state`` that holds the server's subscriber (None when idle).
 STATE_ATTR = "delta_swap"
@@ -49,22 +60,57 @@ def _router(not_configured: str) -> APIRouter:
             return unavailable()
         return JSONResponse(await sub.describe())
 
-    @router.post("/resync")
-    async def resync(request: Request) -> JSONResponse:
-        """Reload the newest full base and replay its deltas, even if the current chain looks fine."""
+    def admin(request: Request) -> tuple[Subscriber | None, JSONResponse | None]:
+        """The subscriber, if the caller may use a POST route; else the response that refuses it."""
         sub = subscriber_of(request.app)
         if sub is None:
-            return unavailable()
-        ok = await sub.resync()
+            return None, unavailable()
+        return sub, _refusal(request, sub.settings.admin_token)
+
+    @router.post("/resync")
+    async def resync(request: Request, allow_older: bool = False) -> JSONResponse:
+        """Reload the newest full base and replay its deltas, even if the current chain looks fine."""
+        sub, refused = admin(request)
+        if sub is None or refused is not None:
+            return refused or unavailable()
+        if sub.resync_running:
+            return JSONResponse({"error": "a resync is already running"}, status_code=409)
+        ok = await sub.resync(allow_older=allow_older)
         return JSONResponse({"resynced": ok, **sub.status()}, status_code=200 if ok else 502)
 
     @router.post("/notify")
     async def notify(request: Request) -> JSONResponse:
         """A trainer announces a new snapshot: poll the store now instead of at the next interval."""
-        sub = subscriber_of(request.app)
-        if sub is None:
-            return unavailable()
+        sub, refused = admin(request)
+        if sub is None or refused is not None:
+            return refused or unavailable()
         sub.wake()
         return JSONResponse({"accepted": True}, status_code=202)
 
     return router
+
+
+def _refusal(request: Request, token: str | None) -> JSONResponse | None:
+    """None if the caller may use a POST route, else the response that refuses it."""
+    if token:
+        given = request.headers.get("authorization", "")
+        scheme, _, credential = given.partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(credential.strip().encode(), token.encode()):
+            return None
+        log.warning("delta-swap: refused %s %s from %s: bad or missing admin token", request.method,
+                    request.url.path, request.client and request.client.host)
+        return JSONResponse({"error": "this route needs Authorization: Bearer <admin token>"}, status_code=401,
+                            headers={"WWW-Authenticate": "Bearer"})
+    if _is_loopback(request.client.host if request.client else None):
+        return None
+    return JSONResponse({"error": "without an admin token (DELTA_SWAP_ADMIN_TOKEN) this route answers loopback "
+                                  "clients only"}, status_code=403)
+
+
+def _is_loopback(host: str | None) -> bool:
+    try:
+        address = ipaddress.ip_address(host or "")
+    except ValueError:
+        return host == "localhost"
+    mapped = getattr(address, "ipv4_mapped", None)
+    return bool(address.is_loopback or (mapped is not None and mapped.is_loopback))

@@ -1,14 +1,29 @@
-"""Reading the snapshot chain: the head pointer, manifests, and the path to a snapshot."""
+"""Reading the snapshot chain: the head pointer, manifests, and the path to a snapshot.
+
+Everything read here is untrusted until checked: HEAD is small and must agree with the manifest it
+names, manifests are read up to a bound, their signature (when the reader trusts keys) is checked
+before they are parsed, and parsing runs off the event loop.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from . import store_keys
-from .errors import ChainError, CorruptDataError, NotFoundError
-from .manifest import Manifest, SnapshotKind, check_snapshot_id
+from .errors import ChainError, CorruptDataError, NotFoundError, SignatureError
+from .manifest import Manifest, SnapshotKind, check_snapshot_id, load_json, manifest_bytes_limit
+from .signing import MAX_SIGNATURE_BYTES, TrustedKeys
 from .stores import Store
+
+log = logging.getLogger("delta_swap.chain")
+
+#: HEAD is a tiny JSON document; nothing larger is read.
+MAX_HEAD_BYTES = 4096
+_warned_unauthenticated = False
 
 
 @dataclass(frozen=True)
@@ -24,44 +39,88 @@ def encode_head(manifest: Manifest) -> bytes:
 
 
 def decode_head(data: bytes) -> Head:
-    try:
-        doc = json.loads(data)
-        head = Head(check_snapshot_id(doc["snapshot_id"]), int(doc["step"]))
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CorruptDataError(f"malformed HEAD: {exc!r}") from None
-    return head
+    """Parse a head pointer; CorruptDataError for anything but ``{"snapshot_id", "step"}``."""
+    if len(data) > MAX_HEAD_BYTES:
+        raise CorruptDataError(f"HEAD has {len(data)} bytes, more than the {MAX_HEAD_BYTES} allowed")
+    doc = load_json(data, "HEAD")
+    if not isinstance(doc, dict):
+        raise CorruptDataError("malformed HEAD: not an object")
+    step = doc.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= 1 << 62:
+        raise CorruptDataError(f"malformed HEAD: invalid step {step!r:.40}")
+    return Head(check_snapshot_id(doc.get("snapshot_id")), step)
+
+
+def warn_unauthenticated_once() -> None:
+    """Say once per process that snapshots are read without checking who published them."""
+    global _warned_unauthenticated
+    if not _warned_unauthenticated:
+        _warned_unauthenticated = True
+        log.warning("delta-swap: snapshots are not authenticated (no trusted key): anyone who can write to the "
+                    "store can change the weights served; see docs/SECURITY.md")
 
 
 class ChainReader:
-    """Reads and caches the manifests of one store. Manifests are immutable once committed."""
+    """Reads the manifests of one store, keeping the newest ones in a bounded cache (a manifest
+    is immutable once committed)."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, trusted: TrustedKeys | None = None, *, expected_tensors: int | None = None,
+                 cache_size: int = 64) -> None:
+        """``trusted``: accept only manifests signed by one of these keys. ``expected_tensors``:
+        the tensor count of the served model, which bounds the manifest size read."""
         self.store = store
-        self._manifests: dict[str, Manifest] = {}
+        self.trusted = trusted
+        self.max_manifest_bytes = manifest_bytes_limit(expected_tensors)
+        self._cache: OrderedDict[str, Manifest] = OrderedDict()
+        self._cache_size = cache_size
         self._head: Head | None = None
         self._head_etag: str | None = None
 
     async def head(self) -> Head | None:
-        """The head pointer, or None for an empty store (a conditional read when it can be)."""
+        """The head pointer, or None for an empty store (a conditional read when it can be).
+
+        Raises CorruptDataError when HEAD is malformed or claims another step than the manifest
+        it names (and NotFoundError when that manifest does not exist).
+        """
         try:
-            changed = await self.store.get_if_changed(store_keys.HEAD_KEY, self._head_etag)
+            changed = await self.store.get_if_changed(store_keys.HEAD_KEY, self._head_etag, max_bytes=MAX_HEAD_BYTES)
         except NotFoundError:
             self._head = self._head_etag = None
             return None
         if changed is not None:
-            data, self._head_etag = changed
-            self._head = decode_head(data)
+            data, etag = changed
+            head = decode_head(data)
+            manifest = await self.manifest(head.snapshot_id)
+            if manifest.step != head.step:
+                raise CorruptDataError(f"HEAD claims step {head.step} for {head.snapshot_id}, whose manifest says "
+                                       f"step {manifest.step}")
+            self._head, self._head_etag = head, etag
         return self._head
 
     async def manifest(self, snapshot_id: str) -> Manifest:
-        """The validated manifest of ``snapshot_id``; NotFoundError if it is not committed."""
-        cached = self._manifests.get(snapshot_id)
+        """The validated (and, with trusted keys, authenticated) manifest of ``snapshot_id``;
+        NotFoundError if it is not committed."""
+        cached = self._cache.get(snapshot_id)
         if cached is not None:
+            self._cache.move_to_end(snapshot_id)
             return cached
-        manifest = Manifest.from_json(await self.store.get(store_keys.manifest_key(snapshot_id)))
+        data = await self.store.get(store_keys.manifest_key(snapshot_id), max_bytes=self.max_manifest_bytes)
+        if self.trusted is None:
+            warn_unauthenticated_once()
+        else:
+            try:
+                signature = await self.store.get(store_keys.signature_key(snapshot_id), max_bytes=MAX_SIGNATURE_BYTES)
+            except NotFoundError:
+                raise SignatureError(f"snapshot {snapshot_id} is not signed") from None
+            await asyncio.to_thread(self.trusted.verify, data, signature, snapshot_id)
+        manifest = await asyncio.to_thread(Manifest.from_json, data, self.max_manifest_bytes)
         if manifest.snapshot_id != snapshot_id:
             raise CorruptDataError(f"manifest at {snapshot_id} names itself {manifest.snapshot_id}")
-        self._manifests[snapshot_id] = manifest
+        if self.trusted is not None and any(b.sha256 is None for b in (*manifest.shards, *manifest.files)):
+            raise SignatureError(f"snapshot {snapshot_id} is signed but lists a file without its SHA-256")
+        self._cache[snapshot_id] = manifest
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
         return manifest
 
     async def snapshot_ids(self) -> list[str]:
@@ -69,17 +128,24 @@ class ChainReader:
         keys = await self.store.list(store_keys.SNAPSHOTS_PREFIX)
         return [k.split("/")[1] for k in keys if k.count("/") == 2 and k.endswith("/manifest.json")]
 
-    async def list(self) -> list[Manifest]:
+    async def list(self, *, skip_bad: bool = False) -> list[Manifest]:
         """Every committed snapshot, oldest step first.
 
-        On stores that cannot list (plain HTTP), the chain from the head back to its base.
+        On stores that cannot list (plain HTTP), the chain from the head back to its base. With
+        ``skip_bad``, snapshots whose manifest cannot be read or verified are left out.
         """
         try:
             ids = await self.snapshot_ids()
         except NotImplementedError:
             head = await self.head()
             return [] if head is None else await self.path_to(head.snapshot_id)
-        manifests = [await self.manifest(i) for i in ids]
+        manifests = []
+        for snapshot_id in ids:
+            try:
+                manifests.append(await self.manifest(snapshot_id))
+            except (CorruptDataError, NotFoundError):
+                if not skip_bad:
+                    raise
         return sorted(manifests, key=lambda m: (m.step, m.kind is not SnapshotKind.BASE))
 
     async def latest_id(self) -> str | None:

@@ -1,27 +1,48 @@
-"""Hugging Face checkpoint folders: *.safetensors plus config/tokenizer files."""
+"""Hugging Face checkpoint folders: *.safetensors plus the side files a checkpoint needs.
+
+Side files are an allowlist (model and generation config, tokenizer and chat-template files):
+nothing that an engine would load as weights or code (``*.safetensors`` outside the snapshot's own
+tensors, index files, ``*.bin``/``*.pt``/``*.pkl`` pickles, ``*.py``) is ever published or pulled.
+A pull is installed atomically: written to a temporary folder beside ``--out``, which then takes
+the place of the previous pull in one rename.
+"""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import os
+import re
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from .errors import CorruptDataError, NotFoundError
+from .errors import ConfigError, CorruptDataError, NotFoundError
 from .manifest import check_relative_name
 from .safetensors_io import MAX_HEADER_BYTES, parse_header, read_safetensors, write_safetensors
 from .tensors import StateDict, TensorSpecs
 
-#: Never read: pickled weights can execute code, and their tensors are in the safetensors files.
-_SKIPPED_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+#: The only non-tensor files a snapshot carries: configs, tokenizer and chat-template files.
+SIDE_FILE_RE = re.compile(
+    r"(config|generation_config|tokenizer_config|special_tokens_map|added_tokens|preprocessor_config"
+    r"|processor_config|chat_template)\.json|tokenizer\.json|vocab\.(json|txt)|merges\.txt|tokenizer\.model"
+    r"|chat_template\.jinja|[A-Za-z0-9_][A-Za-z0-9_.-]*\.tiktoken")
 INDEX_NAME = "model.safetensors.index.json"
+#: Written into every pulled folder; ``pull`` replaces only folders that carry it (or empty ones).
+PULL_MARKER = ".delta-swap-pull.json"
 MAX_FILE_BYTES = 256 << 20
 SHARD_BYTES = 4 << 30
 
 
+def is_side_file(name: str) -> bool:
+    """Whether ``name`` is a file a checkpoint may carry next to its tensors."""
+    return SIDE_FILE_RE.fullmatch(name) is not None
+
+
 def read_checkpoint_dir(path: str | os.PathLike[str]) -> tuple[StateDict, dict[str, bytes]]:
-    """Tensors of every ``*.safetensors`` file (memory-mapped) and the other small files."""
+    """Tensors of every ``*.safetensors`` file (memory-mapped) and the side files."""
     root = Path(path)
     if not root.is_dir():
         raise NotFoundError(f"checkpoint directory not found: {root}")
@@ -37,7 +58,7 @@ def read_checkpoint_dir(path: str | os.PathLike[str]) -> tuple[StateDict, dict[s
                 if name in state:
                     raise CorruptDataError(f"tensor {name} appears in two safetensors files")
                 state[name] = tensor
-        elif entry.name != INDEX_NAME and not entry.name.endswith(_SKIPPED_SUFFIXES):
+        elif is_side_file(entry.name):
             if entry.stat().st_size > MAX_FILE_BYTES:
                 raise CorruptDataError(f"{entry.name} is too large for a checkpoint side file")
             files[check_relative_name(entry.name, "file")] = entry.read_bytes()
@@ -65,11 +86,14 @@ def write_checkpoint_dir(
     *,
     progress: Callable[[int], None] | None = None,
 ) -> list[Path]:
-    """Write ``state`` as safetensors (sharded with an index above 4 GiB) plus ``files``."""
+    """Write ``state`` as safetensors (sharded with an index above 4 GiB) plus the side files of
+    ``files`` (any other name is refused)."""
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     for name, content in files.items():
-        (root / check_relative_name(name, "file")).write_bytes(content)
+        if not is_side_file(check_relative_name(name, "file")):
+            raise CorruptDataError(f"{name!r:.80} is not a checkpoint side file")
+        (root / name).write_bytes(content)
     groups: list[list[str]] = [[]]
     size = 0
     for name in sorted(state):
@@ -93,3 +117,47 @@ def write_checkpoint_dir(
                  "weight_map": {n: fname for fname, group in zip(names, groups) for n in group}}
         (root / INDEX_NAME).write_text(json.dumps(index, indent=1))
     return written
+
+
+def install_checkpoint(out: str | os.PathLike[str], state: StateDict, files: dict[str, bytes], marker: dict,
+                       *, force: bool = False, progress: Callable[[int], None] | None = None) -> Path:
+    """Write a checkpoint folder that replaces ``out`` in one step.
+
+    ``out`` must be absent, empty, or an earlier pull (it carries :data:`PULL_MARKER`); anything
+    else is refused unless ``force``. The new folder is written beside ``out`` and swapped in
+    with one atomic exchange where the kernel has it (two renames elsewhere).
+    """
+    target = Path(out).absolute()
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"{target} exists and is not a folder")
+    if target.is_dir() and any(target.iterdir()) and not (target / PULL_MARKER).is_file() and not force:
+        raise ConfigError(f"{target} is not empty and is not an earlier pull; pass --force to replace it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.pulling-", dir=target.parent))
+    try:
+        write_checkpoint_dir(staging, state, files, progress=progress)
+        (staging / PULL_MARKER).write_text(json.dumps(marker))
+        os.chmod(staging, 0o755)
+        if not target.exists():
+            os.rename(staging, target)
+        elif not _exchange(staging, target):
+            old = staging.with_name(staging.name + ".old")
+            os.rename(target, old)
+            os.rename(staging, target)
+            staging = old
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    shutil.rmtree(staging, ignore_errors=True)  # now the previous pull
+    return target
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where unavailable."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0

@@ -1,6 +1,9 @@
-"""Fast content checksums (xxh3-128) for rebuilt tensors, shards and files."""
+"""Content checksums: xxh3-128 (fast integrity of rebuilt tensors, shards and files) and SHA-256
+(the cryptographic digest of shards and files that a signed manifest vouches for)."""
 
 from __future__ import annotations
+
+import hashlib
 
 import xxhash
 
@@ -19,3 +22,15 @@ def verify(data: bytes | bytearray | memoryview, expected: str, what: str) -> No
     actual = checksum(data)
     if actual != expected:
         raise ChecksumMismatchError(f"checksum mismatch for {what}: expected {expected}, got {actual}")
+
+
+def sha256(data: bytes | bytearray | memoryview) -> str:
+    """Hex SHA-256 of ``data``."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def verify_blob(data: bytes | bytearray | memoryview, xxh3: str, sha256_hex: str | None, what: str) -> None:
+    """Raise ChecksumMismatchError unless ``data`` matches its xxh3-128 and, when given, SHA-256."""
+    verify(data, xxh3, what)
+    if sha256_hex is not None and sha256(data) != sha256_hex:
+        raise ChecksumMismatchError(f"SHA-256 mismatch for {what}")

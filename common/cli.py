@@ -1,23 +1,33 @@
-"""The ``delta-swap`` command: publish, pull and inspect snapshot chains."""
+"""The ``delta-swap`` command: keygen, publish, pull and inspect snapshot chains.
+
+Every failure a user can cause ends in one line on stderr and a non-zero exit; a traceback is
+printed only with ``DELTA_SWAP_DEBUG=1``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import logging
+import os
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from . import store_keys
 from .chain import ChainReader
-from .checkpoint_dir import read_checkpoint_dir, write_checkpoint_dir
-from .checksum import verify
-from .errors import DeltaSwapError, NotFoundError
+from .checkpoint_dir import install_checkpoint, is_side_file, read_checkpoint_dir
+from .checksum import verify_blob
+from .errors import ChainError, CorruptDataError, DeltaSwapError, NotFoundError
 from .manifest import Manifest
 from .publisher import Publisher, PublisherConfig
 from .rebuild import rebuild
+from .signing import TrustedKeys, generate_keypair, split_paths
 from .stores import Store, open_store
+
+log = logging.getLogger("delta_swap.cli")
 
 
 @contextmanager
@@ -28,15 +38,37 @@ def _progress(desc: str, total: int | None, enabled: bool) -> Iterator:
         yield bar.update
 
 
+def _trusted(args: argparse.Namespace) -> TrustedKeys | None:
+    paths = split_paths(args.trusted_key or os.environ.get("DELTA_SWAP_TRUSTED_KEY"))
+    return TrustedKeys.load(paths) if paths else None
+
+
+# ---------------------------------------------------------------------- keygen
+
+
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    from .signing import SigningKey
+
+    key_path, pub_path = generate_keypair(args.out)
+    print(f"wrote private key {key_path} (keep it on the trainer) and public key {pub_path} "
+          f"(give it to the servers); key id {SigningKey.load(key_path).key_id}")
+    return 0
+
+
+# ---------------------------------------------------------------------- publish
+
+
 def _cmd_publish(args: argparse.Namespace) -> int:
     state, files = read_checkpoint_dir(args.checkpoint_dir)
-    config = PublisherConfig(base_every=args.base_every, max_delta_fraction=args.max_delta_fraction)
+    config = PublisherConfig(base_every=args.base_every, max_delta_fraction=args.max_delta_fraction,
+                             signing_key=args.signing_key)
     total = sum(t.nbytes for t in state.values())
     with _progress("publish", total, not args.quiet) as update, Publisher(args.store, config, files, update) as pub:
         snapshot_id = pub.publish(args.step, state, force_base=args.base)
         pub.flush()
+        signed = pub.signing_key is not None
     manifest = asyncio.run(_manifest(args.store, snapshot_id))
-    print(f"published {manifest.snapshot_id} ({manifest.kind}, step {manifest.step}): "
+    print(f"published {manifest.snapshot_id} ({manifest.kind}, step {manifest.step}{', signed' if signed else ''}): "
           f"{manifest.payload_bytes} bytes stored for {manifest.model_bytes} model bytes")
     return 0
 
@@ -49,6 +81,9 @@ async def _manifest(url: str, snapshot_id: str) -> Manifest:
         await store.close()
 
 
+# ---------------------------------------------------------------------- pull
+
+
 def _cmd_pull(args: argparse.Namespace) -> int:
     manifest, nbytes = asyncio.run(_pull(args))
     print(f"pulled {manifest.snapshot_id} (step {manifest.step}) into {args.out}: {nbytes} tensor bytes verified")
@@ -58,34 +93,71 @@ def _cmd_pull(args: argparse.Namespace) -> int:
 async def _pull(args: argparse.Namespace) -> tuple[Manifest, int]:
     store = open_store(args.store)
     try:
-        reader = ChainReader(store)
+        reader = ChainReader(store, _trusted(args))
         with _progress("fetch", None, not args.quiet) as update:
-            manifest, state, path = await rebuild(store, args.snapshot, reader=reader, progress=update)
-        files = await _side_files(store, path)
+            try:
+                manifest, state, path = await rebuild(store, args.snapshot, reader=reader, progress=update,
+                                                      max_model_bytes=args.max_model_bytes)
+            except (CorruptDataError, ChainError, NotFoundError) as exc:
+                if args.snapshot is not None:
+                    raise
+                raise await _name_the_newest_good(reader, exc, args.max_model_bytes) from None
+        files = await _side_files(reader, path)
+        marker = {"snapshot_id": manifest.snapshot_id, "step": manifest.step, "store": store.public_url,
+                  "pulled_at": time.time()}
         with _progress("write", manifest.model_bytes, not args.quiet) as update:
-            await asyncio.to_thread(write_checkpoint_dir, args.out, state, files, progress=update)
+            await asyncio.to_thread(install_checkpoint, args.out, state, files, marker, force=args.force,
+                                    progress=update)
         return manifest, manifest.model_bytes
     finally:
         await store.close()
 
 
-async def _side_files(store: Store, path: list[Manifest]) -> dict[str, bytes]:
-    """Non-tensor files (config, tokenizer) of the newest snapshot on the path that has them."""
+async def _name_the_newest_good(reader: ChainReader, exc: DeltaSwapError, max_model_bytes: int | None,
+                                tries: int = 20) -> DeltaSwapError:
+    """The error to report when the head cannot be rebuilt: it names the newest snapshot that can."""
+    try:
+        head = await reader.head()
+    except DeltaSwapError:
+        head = None
+    newest = [m for m in await reader.list(skip_bad=True) if head is None or m.step < head.step]
+    for manifest in sorted(newest, key=lambda m: -m.step)[:tries]:
+        try:
+            await rebuild(reader.store, manifest.snapshot_id, reader=reader, max_model_bytes=max_model_bytes)
+        except DeltaSwapError:
+            continue
+        return type(exc)(f"{exc}; the newest snapshot that rebuilds is {manifest.snapshot_id}: "
+                         f"pull it with --snapshot {manifest.snapshot_id}")
+    return type(exc)(f"{exc}; no older snapshot rebuilds either")
+
+
+async def _side_files(reader: ChainReader, path: list[Manifest]) -> dict[str, bytes]:
+    """Side files (config, tokenizer) of the newest snapshot on the path that has them, verified;
+    files that are not checkpoint side files are left out."""
+    store: Store = reader.store
     for manifest in reversed(path):
         if manifest.files:
             files = {}
             for entry in manifest.files:
-                data = await store.get(store_keys.file_key(manifest.snapshot_id, entry.name))
-                verify(data, entry.checksum, f"file {entry.name} of {manifest.snapshot_id}")
+                if not is_side_file(entry.name):
+                    log.warning("delta-swap: skipping %s of %s: not a checkpoint side file", entry.name,
+                                manifest.snapshot_id)
+                    continue
+                data = await store.get(store_keys.file_key(manifest.snapshot_id, entry.name), max_bytes=entry.size)
+                verify_blob(data, entry.checksum, entry.sha256 if reader.trusted else None,
+                            f"file {entry.name} of {manifest.snapshot_id}")
                 files[entry.name] = data
             return files
     return {}
 
 
+# ---------------------------------------------------------------------- inspect
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    manifests = asyncio.run(_list(args.store))
+    manifests = asyncio.run(_list(args))
     rows = [
-        {"snapshot_id": m.snapshot_id, "kind": m.kind, "prev_snapshot_id": m.prev_snapshot_id,
+        {"snapshot_id": m.snapshot_id, "kind": m.kind.value, "prev_snapshot_id": m.prev_snapshot_id,
          "base_snapshot_id": m.base_snapshot_id, "step": m.step, "payload_bytes": m.payload_bytes,
          "model_bytes": m.model_bytes, "tensors": len(m.tensors), "created_at": m.created_at}
         for m in manifests
@@ -101,41 +173,55 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _list(url: str) -> list[Manifest]:
-    store = open_store(url)
+async def _list(args: argparse.Namespace) -> list[Manifest]:
+    store = open_store(args.store)
     try:
-        manifests = await ChainReader(store).list()
+        manifests = await ChainReader(store, _trusted(args)).list()
         if not manifests:
-            raise NotFoundError(f"no snapshots in store {url}")
+            raise NotFoundError(f"no snapshots in store {store.public_url}")
         return manifests
     finally:
         await store.close()
 
 
+# ---------------------------------------------------------------------- parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="delta-swap", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    trusted_help = ("accept only snapshots signed by this public key (KEY.pub; comma-separated for several). "
+                    "Env: DELTA_SWAP_TRUSTED_KEY")
+
+    p = sub.add_parser("keygen", help="create an Ed25519 key pair for signing snapshots")
+    p.add_argument("--out", required=True, help="private key file to write (mode 0600); the public key goes to OUT.pub")
+    p.set_defaults(func=_cmd_keygen)
 
     p = sub.add_parser("publish", help="publish a Hugging Face checkpoint directory as the next snapshot")
     p.add_argument("checkpoint_dir", help="folder with *.safetensors and config/tokenizer files")
     p.add_argument("--store", required=True, help="store URL: file:///path, a plain path, s3://bucket/prefix")
     p.add_argument("--step", required=True, type=int, help="training step of this checkpoint")
     p.add_argument("--base-every", type=int, default=25, help="publish a full base every N steps (default 25)")
-    p.add_argument("--base", action="store_true", help="force a full base snapshot")
+    p.add_argument("--base", action="store_true", help="force a full base snapshot (also on a damaged chain)")
     p.add_argument("--max-delta-fraction", type=float, default=0.5,
                    help="publish a base instead when a delta exceeds this fraction of the model (default 0.5)")
+    p.add_argument("--signing-key", help="sign the snapshot with this private key. Env: DELTA_SWAP_SIGNING_KEY")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_publish)
 
     p = sub.add_parser("pull", help="rebuild a snapshot as a Hugging Face checkpoint directory")
     p.add_argument("--store", required=True, help="store URL")
-    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--out", required=True, help="output folder (replaced atomically; see --force)")
     p.add_argument("--snapshot", help="snapshot id (default: the newest)")
+    p.add_argument("--trusted-key", help=trusted_help)
+    p.add_argument("--max-model-bytes", type=int, help="refuse snapshots whose tensors add up to more bytes")
+    p.add_argument("--force", action="store_true", help="replace --out even if it is not an earlier pull")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_pull)
 
     p = sub.add_parser("inspect", help="list the snapshots in a store, oldest first")
     p.add_argument("--store", required=True, help="store URL")
+    p.add_argument("--trusted-key", help=trusted_help)
     p.add_argument("--json", action="store_true", help="print a JSON array")
     p.set_defaults(func=_cmd_inspect)
     return parser
@@ -143,13 +229,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
         return args.func(args)
-    except (DeltaSwapError, OSError, ValueError) as exc:
-        print(f"delta-swap {args.command}: error: {exc}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        if os.environ.get("DELTA_SWAP_DEBUG"):
+            raise
+        known = isinstance(exc, (DeltaSwapError, OSError, ValueError))
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        kind = "error" if known else f"unexpected error ({type(exc).__name__})"
+        print(f"delta-swap {args.command}: {kind}: {message}", file=sys.stderr)
+        return 1 if known else 2
 
 
 if __name__ == "__main__":

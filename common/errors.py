@@ -6,7 +6,8 @@
     ├── ConfigError (ValueError)      a bad setting, flag or argument
     ├── CorruptDataError              a payload, shard, manifest or HEAD is malformed or inconsistent
     │   ├── ChecksumMismatchError     bytes differ from the checksum the publisher recorded
-    │   └── FormatVersionError        a format version this build cannot read
+    │   ├── FormatVersionError        a format version this build cannot read
+    │   └── SignatureError            a snapshot is unsigned, or not signed by a trusted key
     ├── ChainError                    snapshots do not link up (missing, out of order, foreign)
     ├── IncompatibleSnapshotError     a snapshot does not fit the served model (names, dtypes, shapes)
     ├── StoreError                    a store could not be reached or refused an operation
@@ -42,6 +43,10 @@ class ChecksumMismatchError(CorruptDataError):
 
 class FormatVersionError(CorruptDataError):
     """A manifest uses a format version this build cannot read."""
+
+
+class SignatureError(CorruptDataError):
+    """A snapshot is unsigned, or its signature does not verify with any trusted key."""
 
 
 class ChainError(DeltaSwapError):

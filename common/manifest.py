@@ -1,7 +1,10 @@
 """Snapshot manifests: the JSON document that describes one snapshot (see docs/FORMAT.md).
 
-Parsing validates everything a reader later trusts: the format version, identifiers, names
-that become paths, dtypes, shapes (bounded), encodings and byte ranges.
+Parsing validates everything a reader later trusts, and turns any malformed input into
+CorruptDataError: the format version, identifiers and names that become paths (whole-string
+matches: no trailing newline slips through), dtypes, shapes (bounded), encodings, checksums,
+byte ranges (inside their shard, never overlapping another tensor's), finite numbers, and
+nesting (a hostile document cannot exhaust the parser's stack).
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from .errors import CorruptDataError, FormatVersionError
 
 FORMAT_NAME = "delta-swap"
 FORMAT_VERSION = 1
-
 
 
 class SnapshotKind(str, Enum):
@@ -45,27 +47,54 @@ class Encoding(str, Enum):
 
 #: Largest tensor a manifest may describe (1 TiB): bounds every allocation a reader makes.
 MAX_TENSOR_BYTES = 1 << 40
+#: Largest manifest any reader accepts; servers use a smaller bound scaled to the served model.
 MAX_MANIFEST_BYTES = 256 << 20
+#: Manifest bytes a reader allows per tensor it expects (plus a fixed allowance), when it knows.
+MANIFEST_BYTES_PER_TENSOR = 2048
+MANIFEST_BYTES_BASE = 1 << 20
 
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_SEGMENT_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
+_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_SEGMENT_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
+_TENSOR_NAME_RE = re.compile(r"[^\x00-\x1f\x7f]{1,1024}")
+_CHECKSUM_RE = re.compile(r"xxh3_128:[0-9a-f]{32}")
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+
+
+def manifest_bytes_limit(n_tensors: int | None) -> int:
+    """The largest manifest a reader expecting ``n_tensors`` tensors should accept."""
+    if not n_tensors:
+        return MAX_MANIFEST_BYTES
+    return min(MAX_MANIFEST_BYTES, MANIFEST_BYTES_BASE + MANIFEST_BYTES_PER_TENSOR * n_tensors)
 
 
 def check_snapshot_id(snapshot_id: Any) -> str:
     """Return ``snapshot_id`` if it is a safe identifier (it becomes part of store keys)."""
-    if not isinstance(snapshot_id, str) or not _ID_RE.match(snapshot_id) or ".." in snapshot_id:
-        raise CorruptDataError(f"invalid snapshot id {snapshot_id!r}")
+    if not isinstance(snapshot_id, str) or not _ID_RE.fullmatch(snapshot_id) or ".." in snapshot_id:
+        raise CorruptDataError(f"invalid snapshot id {snapshot_id!r:.80}")
     return snapshot_id
 
 
 def check_relative_name(name: Any, what: str) -> str:
     """Return ``name`` if it is a relative path that cannot escape its folder."""
     if not isinstance(name, str) or not name or len(name) > 1024:
-        raise CorruptDataError(f"invalid {what} name {name!r}")
+        raise CorruptDataError(f"invalid {what} name {name!r:.80}")
     for segment in name.split("/"):
-        if not _SEGMENT_RE.match(segment) or segment in (".", ".."):
-            raise CorruptDataError(f"invalid {what} name {name!r}")
+        if not _SEGMENT_RE.fullmatch(segment) or segment in (".", ".."):
+            raise CorruptDataError(f"invalid {what} name {name!r:.80}")
     return name
+
+
+def load_json(data: bytes | str, what: str) -> Any:
+    """Parse untrusted JSON: NaN and Infinity are refused, and every failure (including a
+    document nested deep enough to exhaust the parser) is a CorruptDataError."""
+    try:
+        return json.loads(data, parse_constant=_refuse_constant)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise CorruptDataError(f"{what} is not valid JSON: {str(exc)[:120]}") from None
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number")
 
 
 def snapshot_id_for_step(step: int) -> str:
@@ -94,11 +123,13 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class BlobEntry:
-    """A stored file (shard or non-tensor checkpoint file) with its size and checksum."""
+    """A stored file (shard or non-tensor checkpoint file) with its size and checksums: xxh3-128
+    (fast integrity) and SHA-256 (what a signature over the manifest vouches for)."""
 
     name: str
     size: int
     checksum: str
+    sha256: str | None = None
 
 
 @dataclass(frozen=True)
@@ -138,15 +169,11 @@ class Manifest:
         return json.dumps(doc, indent=1, sort_keys=False).encode()
 
     @classmethod
-    def from_json(cls, data: bytes) -> Manifest:
+    def from_json(cls, data: bytes, max_bytes: int = MAX_MANIFEST_BYTES) -> Manifest:
         """Parse and validate a manifest; raises CorruptDataError or FormatVersionError."""
-        if len(data) > MAX_MANIFEST_BYTES:
-            raise CorruptDataError("manifest is too large")
-        try:
-            doc = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise CorruptDataError(f"manifest is not valid JSON: {exc}") from None
-        return _parse_manifest(doc)
+        if len(data) > max_bytes:
+            raise CorruptDataError(f"manifest has {len(data)} bytes, more than the {max_bytes} allowed")
+        return _parse_manifest(load_json(data, "manifest"))
 
 
 def _parse_manifest(doc: Any) -> Manifest:
@@ -171,11 +198,11 @@ def _parse_manifest(doc: Any) -> Manifest:
             tensors=tuple(_parse_tensor(t) for t in _list(doc["tensors"], "tensors")),
             shards=tuple(_parse_blob(b, "shard") for b in _list(doc["shards"], "shards")),
             files=tuple(_parse_blob(b, "file") for b in _list(doc.get("files", []), "files")),
-            created_at=float(doc.get("created_at", 0.0)),
-            metadata={str(k): str(v) for k, v in dict(doc.get("metadata", {})).items()},
+            created_at=_finite(doc.get("created_at", 0.0), "created_at"),
+            metadata=_metadata(doc.get("metadata", {})),
         )
     except (KeyError, TypeError, ValueError) as exc:
-        raise CorruptDataError(f"malformed manifest: {exc!r}") from None
+        raise CorruptDataError(f"malformed manifest: {exc!r:.200}") from None
     _check_consistency(manifest)
     return manifest
 
@@ -189,7 +216,27 @@ def _enum(cls: type[Enum], value: Any, what: str) -> Any:
 
 def _int(value: Any, what: str, limit: int = 1 << 62) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= limit:
-        raise CorruptDataError(f"invalid {what} {value!r}")
+        raise CorruptDataError(f"invalid {what} {value!r:.40}")
+    return value
+
+
+def _finite(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise CorruptDataError(f"invalid {what} {value!r:.40}")
+    return float(value)
+
+
+def _metadata(value: Any) -> dict[str, str]:
+    if not isinstance(value, dict) or len(value) > 1024:
+        raise CorruptDataError("metadata must be an object of at most 1024 strings")
+    if not all(isinstance(k, str) and isinstance(v, str) and len(k) + len(v) < 65536 for k, v in value.items()):
+        raise CorruptDataError("metadata keys and values must be short strings")
+    return dict(value)
+
+
+def _checksum(value: Any, pattern: re.Pattern[str], what: str) -> str:
+    if not isinstance(value, str) or not pattern.fullmatch(value):
+        raise CorruptDataError(f"invalid {what} {value!r:.80}")
     return value
 
 
@@ -203,8 +250,8 @@ def _parse_tensor(doc: Any) -> TensorEntry:
     if not isinstance(doc, dict):
         raise CorruptDataError("tensor entry must be an object")
     name = doc["name"]
-    if not isinstance(name, str) or not name or len(name) > 1024:
-        raise CorruptDataError(f"invalid tensor name {name!r}")
+    if not isinstance(name, str) or not _TENSOR_NAME_RE.fullmatch(name):
+        raise CorruptDataError(f"invalid tensor name {name!r:.80}")
     shape = tuple(_int(d, f"dimension of {name}") for d in _list(doc["shape"], "shape"))
     if len(shape) > 16:
         raise CorruptDataError(f"tensor {name} has {len(shape)} dimensions")
@@ -213,7 +260,7 @@ def _parse_tensor(doc: Any) -> TensorEntry:
         dtype=str(doc["dtype"]),
         shape=shape,
         encoding=_enum(Encoding, doc["encoding"], f"encoding of tensor {name}"),
-        checksum=str(doc["checksum"]),
+        checksum=_checksum(doc["checksum"], _CHECKSUM_RE, f"checksum of tensor {name}"),
         shard=None if doc.get("shard") is None else check_relative_name(doc["shard"], "shard"),
         offset=_int(doc.get("offset", 0), "offset"),
         length=_int(doc.get("length", 0), "length"),
@@ -231,8 +278,12 @@ def _parse_tensor(doc: Any) -> TensorEntry:
 def _parse_blob(doc: Any, what: str) -> BlobEntry:
     if not isinstance(doc, dict):
         raise CorruptDataError(f"{what} entry must be an object")
+    name = check_relative_name(doc["name"], what)
+    sha256 = doc.get("sha256")
     return BlobEntry(
-        name=check_relative_name(doc["name"], what), size=_int(doc["size"], f"{what} size"), checksum=str(doc["checksum"])
+        name=name, size=_int(doc["size"], f"{what} size"),
+        checksum=_checksum(doc["checksum"], _CHECKSUM_RE, f"checksum of {what} {name}"),
+        sha256=None if sha256 is None else _checksum(sha256, _SHA256_RE, f"sha256 of {what} {name}"),
     )
 
 
@@ -243,6 +294,9 @@ def _check_consistency(m: Manifest) -> None:
     shards = {s.name: s for s in m.shards}
     if len(shards) != len(m.shards):
         raise CorruptDataError("manifest lists a shard twice")
+    if len({f.name for f in m.files}) != len(m.files):
+        raise CorruptDataError("manifest lists a file twice")
+    ranges: dict[str, list[tuple[int, int, str]]] = {}
     for t in m.tensors:
         if t.shard is None:
             continue
@@ -252,5 +306,11 @@ def _check_consistency(m: Manifest) -> None:
             raise CorruptDataError(f"tensor {t.name} runs past the end of shard {t.shard}")
         if m.kind is SnapshotKind.BASE and t.encoding is not Encoding.RAW:
             raise CorruptDataError(f"base snapshot stores tensor {t.name} as {t.encoding}")
+        ranges.setdefault(t.shard, []).append((t.offset, t.offset + t.length, t.name))
+    for shard, spans in ranges.items():  # every stored byte belongs to at most one tensor
+        spans.sort()
+        for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+            if start < end:
+                raise CorruptDataError(f"tensors {first} and {second} share bytes of shard {shard}")
     if m.kind is SnapshotKind.BASE and m.base_snapshot_id != m.snapshot_id:
         raise CorruptDataError("a base snapshot must be its own base")

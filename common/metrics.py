@@ -13,6 +13,7 @@ from .errors import (
     CorruptDataError,
     IncompatibleSnapshotError,
     NotFoundError,
+    SignatureError,
     StoreError,
 )
 
@@ -40,6 +41,8 @@ def subscriber_metrics() -> SubscriberMetrics:
 
 def failure_kind(exc: BaseException) -> str:
     """A short label for what went wrong."""
+    if isinstance(exc, SignatureError):
+        return "signature"
     if isinstance(exc, ChecksumMismatchError):
         return "checksum"
     if isinstance(exc, CorruptDataError):

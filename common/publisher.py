@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable, Mapping
@@ -26,12 +27,13 @@ import numpy as np
 
 from . import codec, store_keys
 from .chain import ChainReader
-from .checksum import checksum
+from .checksum import checksum, sha256
 from .commit import Part, commit, try_commit
-from .errors import ChainError, ConfigError, PublishError
+from .errors import ChainError, ConfigError, CorruptDataError, NotFoundError, PublishError
 from .manifest import BlobEntry, Encoding, Manifest, TensorEntry, snapshot_id_for_step
 from .rebuild import rebuild
 from .safetensors_io import write_safetensors
+from .signing import SigningKey
 from .stores import Store, open_store
 from .tensors import StateDict, state_to_host
 
@@ -55,6 +57,12 @@ class PublisherConfig:
     #: URLs POSTed ``{"snapshot_id", "step"}`` after each commit (e.g. servers' /delta_swap/notify);
     #: best effort, since servers also poll.
     notify_urls: tuple[str, ...] = ()
+    #: Bearer token sent with each notify (default: $DELTA_SWAP_ADMIN_TOKEN, as the servers use).
+    notify_token: str | None = None
+    #: Private key file that signs every manifest (default: $DELTA_SWAP_SIGNING_KEY, if set).
+    signing_key: str | None = None
+    #: HEAD further ahead than this many steps of a new commit is taken for garbage and replaced.
+    max_step_jump: int = 1_000_000
     codec: codec.CodecConfig = field(default_factory=codec.CodecConfig)
 
 
@@ -84,6 +92,10 @@ class Publisher:
             raise ConfigError("base_every and max_pending must be at least 1")
         self.config = config
         self.files = dict(files or {})
+        key_path = config.signing_key or os.environ.get("DELTA_SWAP_SIGNING_KEY") or None
+        #: Signs every manifest this publisher commits (None: unsigned snapshots).
+        self.signing_key = SigningKey.load(key_path) if key_path else None
+        self._notify_token = config.notify_token or os.environ.get("DELTA_SWAP_ADMIN_TOKEN") or None
         self._progress = progress or (lambda n: None)
         # Opened here so a bad URL fails now; remote stores bind to the worker's loop on first use.
         self._store = store if isinstance(store, Store) else open_store(store, create=True)
@@ -191,27 +203,45 @@ class Publisher:
                 await store.put(store_keys.shard_key(snapshot_id, shard.name), data)
         if cadence or (cfg.world_size == 1 and part.full):
             self._last_base_step = job.step
+        sign = self.signing_key
         if cfg.world_size == 1:
-            committed: Manifest | None = await commit(store, [part])
+            committed: Manifest | None = await commit(store, [part], sign, cfg.max_step_jump)
         else:
             await store.put(store_keys.part_key(snapshot_id, cfg.rank), part.to_json())
-            committed = await try_commit(store, snapshot_id, cfg.world_size)
+            committed = await try_commit(store, snapshot_id, cfg.world_size, sign, cfg.max_step_jump)
         if committed is not None and cfg.notify_urls:
-            await notify(cfg.notify_urls, committed)
+            await notify(cfg.notify_urls, committed, token=self._notify_token)
         self._prev_state, self._prev_id = job.state, snapshot_id
         self.published.append(snapshot_id)
 
     async def _resume(self, store: Store, job: _Job) -> None:
+        """Continue the chain in the store: deltas of the next steps are taken against its head.
+
+        A damaged head (a corrupt HEAD, manifest or shard) does not stop publishing: it is logged
+        and the next snapshot is a full base, which needs no previous state. The same holds when
+        the first publish is a base anyway: the head is not rebuilt at all.
+        """
         reader = ChainReader(store)
-        head = await reader.head()
+        try:
+            head = await reader.head()
+        except (CorruptDataError, NotFoundError) as exc:
+            log.warning("delta-swap: the store's HEAD is unusable (%s); publishing a new base", exc)
+            return
         if head is None:
             return
         if head.step >= job.step:
             raise ChainError(f"store head is at step {head.step}; cannot publish step {job.step} after it")
-        manifest, state, _ = await rebuild(store, head.snapshot_id, reader=reader)
+        if job.force_base:
+            return
+        try:
+            manifest, state, _ = await rebuild(store, head.snapshot_id, reader=reader)
+            self._last_base_step = (await reader.manifest(manifest.base_snapshot_id)).step
+        except (CorruptDataError, ChainError, NotFoundError) as exc:
+            log.warning("delta-swap: the store's head %s cannot be rebuilt (%s); publishing a new base",
+                        head.snapshot_id, exc)
+            return
         self._prev_state = {name: state[name] for name in job.state if name in state}
         self._prev_id = manifest.snapshot_id
-        self._last_base_step = (await reader.manifest(manifest.base_snapshot_id)).step
 
     def _delta_part(self, job: _Job, snapshot_id: str) -> tuple[Part, bytes] | None:
         """Encode this rank's tensors against the previous step; None if a full part is better."""
@@ -236,7 +266,7 @@ class Publisher:
             if buf.tell() > cfg.max_delta_fraction * raw_bytes:
                 return None
         data = buf.getvalue() if buf.tell() > len(DELTA_SHARD_MAGIC) else b""
-        shards = [BlobEntry(shard, len(data), checksum(data))] if data else []
+        shards = [BlobEntry(shard, len(data), checksum(data), sha256(data))] if data else []
         part = Part(snapshot_id, job.step, cfg.rank, cfg.world_size, False, self._prev_id, entries, shards, [], job.metadata)
         return part, data
 
@@ -250,14 +280,14 @@ class Publisher:
             TensorEntry(name, t.dtype, t.shape, Encoding.RAW, checksum(t.data), shard, *locations[name])
             for name, t in sorted(job.state.items())
         ]
-        shard_entry = BlobEntry(shard, len(data), checksum(data))
+        shard_entry = await asyncio.to_thread(lambda: BlobEntry(shard, len(data), checksum(data), sha256(data)))
         await store.put(store_keys.shard_key(snapshot_id, shard), data)
         self._progress(sum(t.nbytes for t in job.state.values()))
         files = []
         if cfg.rank == 0:
             for name, content in sorted(self.files.items()):
                 await store.put(store_keys.file_key(snapshot_id, name), content)
-                files.append(BlobEntry(name, len(content), checksum(content)))
+                files.append(BlobEntry(name, len(content), checksum(content), sha256(content)))
         return Part(snapshot_id, job.step, cfg.rank, cfg.world_size, True, self._prev_id, entries, [shard_entry], files, job.metadata)
 
 
@@ -268,12 +298,13 @@ def _layout_of(state: StateDict) -> dict[str, tuple[str, tuple[int, ...]]]:
 # ---------------------------------------------------------------------- notifying
 
 
-async def notify(urls: tuple[str, ...], manifest: Manifest, timeout_s: float = 2.0) -> None:
+async def notify(urls: tuple[str, ...], manifest: Manifest, timeout_s: float = 2.0, token: str | None = None) -> None:
     """Tell servers about a new snapshot; failures are logged, never raised (they also poll)."""
     import httpx
 
     body = {"snapshot_id": manifest.snapshot_id, "step": manifest.step}
-    async with httpx.AsyncClient(timeout=timeout_s) as client:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with httpx.AsyncClient(timeout=timeout_s, headers=headers) as client:
         results = await asyncio.gather(*(client.post(url, json=body) for url in urls), return_exceptions=True)
     for url, result in zip(urls, results):
         if isinstance(result, BaseException) or result.status_code >= 400:

@@ -10,30 +10,34 @@ import numpy as np
 
 from . import codec, store_keys
 from .chain import ChainReader
-from .checksum import checksum, verify
-from .errors import ChainError, ChecksumMismatchError, CorruptDataError
-from .manifest import Encoding, Manifest, SnapshotKind
+from .checksum import checksum, verify, verify_blob
+from .errors import ChainError, ChecksumMismatchError, CorruptDataError, IncompatibleSnapshotError
+from .manifest import BlobEntry, Encoding, Manifest, SnapshotKind
 from .stores import Store
 from .tensors import HostTensor, StateDict
 
 Progress = Callable[[int], None]
 
 
-async def fetch_shards(store: Store, manifest: Manifest, *, concurrency: int = 4, progress: Progress | None = None) -> dict[str, np.ndarray]:
-    """Download a snapshot's shards concurrently and verify each one's size and checksum."""
+async def fetch_shards(store: Store, manifest: Manifest, *, concurrency: int = 4, progress: Progress | None = None,
+                       authenticated: bool = False) -> dict[str, np.ndarray]:
+    """Download a snapshot's shards concurrently (never more bytes than the manifest lists) and
+    verify each one's size and checksum, and its SHA-256 when ``authenticated`` (the manifest's
+    signature was verified)."""
     sem = asyncio.Semaphore(concurrency)
 
-    async def one(name: str, size: int, expected: str) -> tuple[str, np.ndarray]:
+    async def one(shard: BlobEntry) -> tuple[str, np.ndarray]:
+        what = f"shard {shard.name} of {manifest.snapshot_id}"
         async with sem:
-            data = await store.get(store_keys.shard_key(manifest.snapshot_id, name))
-        if len(data) != size:
-            raise CorruptDataError(f"shard {name} of {manifest.snapshot_id} has {len(data)} bytes, expected {size}")
-        await asyncio.to_thread(verify, data, expected, f"shard {name} of {manifest.snapshot_id}")
+            data = await store.get(store_keys.shard_key(manifest.snapshot_id, shard.name), max_bytes=shard.size)
+        if len(data) != shard.size:
+            raise CorruptDataError(f"{what} has {len(data)} bytes, expected {shard.size}")
+        await asyncio.to_thread(verify_blob, data, shard.checksum, shard.sha256 if authenticated else None, what)
         if progress:
-            progress(size)
-        return name, np.frombuffer(data, dtype=np.uint8)
+            progress(shard.size)
+        return shard.name, np.frombuffer(data, dtype=np.uint8)
 
-    results = await asyncio.gather(*(one(s.name, s.size, s.checksum) for s in manifest.shards))
+    results = await asyncio.gather(*(one(s) for s in manifest.shards))
     return dict(results)
 
 
@@ -93,32 +97,42 @@ async def rebuild(
     *,
     reader: ChainReader | None = None,
     progress: Progress | None = None,
+    max_model_bytes: int | None = None,
 ) -> tuple[Manifest, StateDict, list[Manifest]]:
     """Rebuild ``snapshot_id`` (default: the head) from its base; returns (manifest, state, path)."""
     reader = reader or ChainReader(store)
     target = snapshot_id or await reader.latest_id()
     if target is None:
-        raise ChainError(f"store {store.url} has no snapshots")
+        raise ChainError(f"store {store.public_url} has no snapshots")
     path = await reader.path_to(target)
-    return path[-1], await replay(store, path, None, progress=progress), path
+    state = await replay(reader, path, None, progress=progress, max_model_bytes=max_model_bytes)
+    return path[-1], state, path
 
 
 async def replay(
-    store: Store,
+    reader: ChainReader,
     path: list[Manifest],
     state: StateDict | None,
     *,
     concurrency: int = 4,
     timings: dict[str, float] | None = None,
     progress: Progress | None = None,
+    max_model_bytes: int | None = None,
 ) -> StateDict:
     """Apply ``path`` (oldest first) to ``state`` (None when the path starts at a base): fetch
-    each snapshot's shards, then decode and verify off the event loop. Seconds spent fetching,
-    decoding and verifying are added to ``timings``."""
+    each snapshot's shards, then decode and verify off the event loop. Nothing is fetched when a
+    snapshot of the path holds more than ``max_model_bytes``. Seconds spent fetching, decoding and
+    verifying are added to ``timings``."""
     timings = {} if timings is None else timings
     for manifest in path:
+        if max_model_bytes is not None and manifest.model_bytes > max_model_bytes:
+            raise IncompatibleSnapshotError(f"snapshot {manifest.snapshot_id} holds {manifest.model_bytes} bytes of "
+                                            f"tensors, more than the {max_model_bytes} allowed")
+    authenticated = reader.trusted is not None
+    for manifest in path:
         t0 = time.perf_counter()
-        shards = await fetch_shards(store, manifest, concurrency=concurrency, progress=progress)
+        shards = await fetch_shards(reader.store, manifest, concurrency=concurrency, progress=progress,
+                                    authenticated=authenticated)
         timings["fetch"] = timings.get("fetch", 0.0) + time.perf_counter() - t0
         state = await asyncio.to_thread(apply_snapshot, state, manifest, shards, timings)
     if state is None:

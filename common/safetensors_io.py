@@ -64,8 +64,8 @@ def parse_header(prefix: bytes | memoryview, file_size: int) -> dict[str, tuple[
         raise CorruptDataError("safetensors header is truncated")
     try:
         doc = json.loads(bytes(prefix[8 : 8 + hlen]))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CorruptDataError(f"safetensors header is not JSON: {exc}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise CorruptDataError(f"safetensors header is not JSON: {str(exc)[:120]}") from None
     if not isinstance(doc, dict):
         raise CorruptDataError("safetensors header is not an object")
     start = 8 + hlen

@@ -65,6 +65,22 @@ class Settings:
     staging_dir: str = _default_staging_dir()
     """Where tensors are staged for engine workers to map (vLLM; tmpfs when available)."""
 
+    trusted_key: str | None = None
+    """Public key file(s) of the publisher, comma-separated (several during a key rotation): only
+    snapshots signed by one of them are accepted, checked before anything they name is fetched."""
+
+    admin_token: str | None = None
+    """Bearer token that POST /delta_swap/resync and /delta_swap/notify require (prefer the
+    variable: a flag shows in the process list); without one those routes answer loopback clients
+    only."""
+
+    max_model_bytes: int | None = None
+    """Refuse snapshots whose tensors add up to more bytes than this (default: the served model's size)."""
+
+    max_step_jump: int = 1_000_000
+    """Refuse a newest snapshot more than this many steps ahead of the one served (a runaway or
+    forged step number)."""
+
     #: Extra flag spellings accepted for a field (kept for command lines written before the rename).
     FLAG_ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {"store": ("--delta-swap-source",)}
 

@@ -17,6 +17,11 @@ def manifest_key(snapshot_id: str) -> str:
     return snapshot_prefix(snapshot_id) + "manifest.json"
 
 
+def signature_key(snapshot_id: str) -> str:
+    """The publisher's signature over the manifest's bytes (written just before the manifest)."""
+    return snapshot_prefix(snapshot_id) + "manifest.sig"
+
+
 def shard_key(snapshot_id: str, shard: str) -> str:
     return snapshot_prefix(snapshot_id) + check_relative_name(shard, "shard")
 

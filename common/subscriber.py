@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from typing import Any
 
@@ -24,7 +25,9 @@ from .manifest import Manifest, SnapshotKind
 from .metrics import failure_kind, subscriber_metrics
 from .rebuild import replay
 from .settings import Settings
+from .signing import TrustedKeys, split_paths
 from .stores import Store, open_store
+from .stores.base import public_url
 from .swap import apply_update
 from .tensors import StateDict
 
@@ -40,8 +43,11 @@ class Subscriber:
         self.settings = settings
         self.adapter = adapter
         self._store = store
+        self._trusted = TrustedKeys.load(split_paths(settings.trusted_key)) if settings.trusted_key else None
         self._reader: ChainReader | None = None
         self._lock = asyncio.Lock()
+        self._resyncing = False
+        self._last_resync: dict[str, Any] | None = None
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._state: StateDict | None = None
@@ -49,6 +55,7 @@ class Subscriber:
         self._newest: Manifest | None = None
         self._staged_id: str | None = None
         self._last_error: str | None = None
+        self._last_error_kind: str | None = None
         self._last_error_at: float | None = None
         self._last_timings: dict[str, float] = {}
         self._last_path: list[str] = []
@@ -62,8 +69,14 @@ class Subscriber:
             if self._store is None:
                 assert self.settings.store
                 self._store = open_store(self.settings.store, create=True)
-            self._reader = ChainReader(self._store)
+            self._reader = ChainReader(self._store, self._trusted,
+                                       expected_tensors=len(self.adapter.served.specs) or None)
         return self._reader
+
+    @property
+    def resync_running(self) -> bool:
+        """True while a resync is fetching or swapping (another one is refused meanwhile)."""
+        return self._resyncing
 
     @property
     def current(self) -> Manifest | None:
@@ -103,16 +116,17 @@ class Subscriber:
 
     # ------------------------------------------------------------------ updates
 
-    async def sync(self, *, force_base: bool = False) -> bool:
+    async def sync(self, *, force_base: bool = False, allow_older: bool = False) -> bool:
         """Move the engine to the newest snapshot if it is not there; True if it swapped.
 
         With ``force_base`` (a resync) the newest base and its deltas are reloaded even if the
-        current chain looks fine. Never raises for store, data or engine errors: they land in
+        current chain looks fine; that never moves the engine to an older step unless
+        ``allow_older``. Never raises for store, data or engine errors: they land in
         :meth:`status`.
         """
         async with self._lock:
             try:
-                return await self._sync(force_base)
+                return await self._sync(force_base, allow_older)
             except (DeltaSwapError, OSError, asyncio.TimeoutError) as exc:
                 self._record_error(exc)
                 return False
@@ -124,33 +138,64 @@ class Subscriber:
                 self._staged_id = None
                 self._export_metrics()
 
-    async def resync(self) -> bool:
-        """Reload the newest full base and replay its deltas."""
-        return await self.sync(force_base=True)
+    async def resync(self, *, allow_older: bool = False) -> bool:
+        """Reload the newest full base and replay its deltas (one resync at a time: callers
+        check :attr:`resync_running` first)."""
+        before = self._current and self._current.step
+        self._resyncing = True
+        try:
+            ok = await self.sync(force_base=True, allow_older=allow_older)
+        finally:
+            self._resyncing = False
+        self._last_resync = {"at": time.time(), "ok": ok, "from_step": before,
+                             "to_step": self._current and self._current.step, "allow_older": allow_older}
+        return ok
 
     def _record_error(self, exc: BaseException) -> None:
-        self._metrics.failures.labels(failure_kind(exc)).inc()
+        kind = failure_kind(exc)
+        self._metrics.failures.labels(kind).inc()
         self._failures += 1
-        self._last_error = f"{type(exc).__name__}: {exc}"
+        self._last_error = f"{type(exc).__name__}: {self._public_message(exc)}"
+        self._last_error_kind = kind
         self._last_error_at = time.time()
-        log.warning("delta-swap: staying on %s: %s", self._current and self._current.snapshot_id, self._last_error)
+        log.warning("delta-swap: staying on %s: %s: %s", self._current and self._current.snapshot_id,
+                    type(exc).__name__, exc)
 
-    async def _sync(self, force_base: bool) -> bool:
+    def _public_message(self, exc: BaseException) -> str:
+        """The error's message as anyone reaching the status route may see it: the store's URL
+        (which may carry credentials) and host paths are left out."""
+        text = str(exc)
+        for url in {self.settings.store, self._store and self._store.url, self._store and self._store.public_url}:
+            if url:
+                text = text.replace(url, "<store>")
+        text = re.sub(r"[a-z][a-z0-9+.-]*://[^\s'\"]+", "<url>", text)
+        text = re.sub(r"(?<![\w.-])/(?:[^\s/'\"]+/)+[^\s/'\"]*", "<path>", text)
+        return text[:500]
+
+    async def _sync(self, force_base: bool, allow_older: bool = False) -> bool:
         head = await self.reader.head()
         if head is None:
             return False
         newest = await self.reader.manifest(head.snapshot_id)
+        current = self._current
+        if current is not None and newest.step - current.step > self.settings.max_step_jump:
+            raise ChainError(f"newest snapshot {newest.snapshot_id} is {newest.step - current.step} steps ahead of "
+                             f"{current.snapshot_id}, more than max_step_jump={self.settings.max_step_jump}")
         if self._newest is None or newest.step >= self._newest.step:
             self._newest = newest
-        if not force_base and self._current is not None and newest.step <= self._current.step:
+        if not force_base and current is not None and newest.step <= current.step:
             return False
         path = await self._plan(newest, force_base)
         target = path[-1]
+        if force_base and current is not None and target.step < current.step and not allow_older:
+            raise ChainError(f"a resync would move the server from step {current.step} back to {target.step} "
+                             "(the newer snapshots cannot be rebuilt); pass allow_older=1 to do it anyway")
         self.adapter.served.check_fits(target.specs)  # before a byte is fetched
         timings: dict[str, float] = {"fetch": 0.0, "decode": 0.0, "verify": 0.0}
         start = None if path[0].kind is SnapshotKind.BASE else self._state
-        state = await replay(self.reader.store, path, start, concurrency=self.settings.fetch_concurrency,
-                             timings=timings, progress=self._metrics.bytes_fetched.inc)
+        state = await replay(self.reader, path, start, concurrency=self.settings.fetch_concurrency,
+                             timings=timings, progress=self._metrics.bytes_fetched.inc,
+                             max_model_bytes=self._max_model_bytes())
         update = WeightUpdate(version=target.snapshot_id, state=state, names=self._changed(target),
                               previous=self._state, checksums={t.name: t.checksum for t in target.tensors})
         self._staged_id = target.snapshot_id
@@ -166,6 +211,11 @@ class Subscriber:
         log.info("delta-swap: now serving %s (step %d): %s", target.snapshot_id, target.step,
                  ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in timings.items()))
         return True
+
+    def _max_model_bytes(self) -> int | None:
+        if self.settings.max_model_bytes is not None:
+            return self.settings.max_model_bytes
+        return self.adapter.served.nbytes if self.adapter.served.specs else None
 
     def _changed(self, target: Manifest) -> tuple[str, ...]:
         if self._current is None:
@@ -203,8 +253,10 @@ class Subscriber:
     def status(self) -> dict[str, Any]:
         """A JSON-ready summary of where this server stands (no side effects)."""
         cur, newest = self._current, self._newest
+        store = self.settings.store or (self._store and self._store.url)
         return {
-            "store": self.settings.store or (self._store and self._store.url),
+            "store": store and public_url(store),
+            "authenticated": self._trusted is not None,
             "current_snapshot_id": cur and cur.snapshot_id,
             "current_step": cur and cur.step,
             "newest_snapshot_id": newest and newest.snapshot_id,
@@ -213,7 +265,9 @@ class Subscriber:
             "staleness_seconds": round(self._staleness_seconds(), 3),
             "staged_snapshot_id": self._staged_id,
             "last_error": self._last_error,
+            "last_error_kind": self._last_error_kind if self._last_error else None,
             "last_error_at": self._last_error_at,
+            "last_resync": self._last_resync,
             "last_update_timings_s": {k: round(v, 6) for k, v in self._last_timings.items()},
             "last_update_path": self._last_path,
             "updates_applied": self._updates,
@@ -223,9 +277,15 @@ class Subscriber:
         }
 
     async def describe(self) -> dict[str, Any]:
-        """:meth:`status` plus the engine's own details (its weight version, ...)."""
-        return {**self.status(), "weight_version": await self.adapter.weight_version(),
-                **await self.adapter.describe()}
+        """:meth:`status` plus the engine's own details (its weight version, ...); an engine that
+        cannot answer shows ``engine_error`` instead of failing the status route."""
+        details: dict[str, Any] = {}
+        try:
+            details["weight_version"] = await self.adapter.weight_version()
+            details.update(await self.adapter.describe())
+        except Exception as exc:
+            details["engine_error"] = f"{type(exc).__name__}: {self._public_message(exc)}"
+        return {**self.status(), **details}
 
     def _staleness_steps(self) -> int | None:
         if self._current is None:

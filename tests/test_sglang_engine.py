@@ -25,12 +25,14 @@ from safetensors.torch import load_file, save_file
 from examples.server_process import free_port, start_server
 from examples.tiny_model import make_tiny_model, perturb_weights
 from tests.support.rollout_scenarios import (
+    Credentials,
     bad_snapshots_never_reach_the_model,
     drop_snapshot,
     publish_dirs,
     stage_tampered,
     status,
     swaps_under_load,
+    untrusted_inputs_never_reach_the_model,
     wait_for,
 )
 
@@ -147,14 +149,23 @@ def references(models, sglang_python, shim_log, tmp_path_factory) -> dict[str, d
 
 
 @pytest.fixture(scope="module")
-def live(models, references, sglang_python, shim_log, tmp_path_factory):
+def creds(tmp_path_factory) -> Credentials:
+    """The trainer signs; the plugin server trusts its key and has an admin token (given as flags)."""
+    return Credentials.make(tmp_path_factory.mktemp("keys"))
+
+
+@pytest.fixture(scope="module")
+def live(models, references, sglang_python, shim_log, creds, tmp_path_factory):
     """The plugin server, started on A, following a store whose base is A."""
     tmp = tmp_path_factory.mktemp("live")
     store = tmp / "store"
-    publish_dirs(store, [(0, models["A"])])
+    publish_dirs(store, [(0, models["A"])], creds)
     port = free_port()
-    argv = sglang_argv(models["A"], port) + ["--delta-swap-store", store.as_uri(), "--delta-swap-poll-interval",
-                                             "0.2", "--delta-swap-drain", "wait", "--enable-metrics"]
+    argv = sglang_argv(models["A"], port) + [
+        "--delta-swap-store", store.as_uri(), "--delta-swap-poll-interval", "0.2", "--delta-swap-drain", "wait",
+        "--delta-swap-drain-timeout", "180",  # the wait-mode test lets 600-token requests finish, also on a busy CI
+        "--delta-swap-trusted-key", str(creds.trusted_key), "--delta-swap-admin-token", creds.admin_token,
+        "--enable-metrics"]
     server = start_server(argv, sglang_env(shim_log, plugins="delta_swap"), tmp / "live.log", port,
                           python=sglang_python)
     try:
@@ -171,7 +182,8 @@ def test_the_plugin_adds_its_flags_to_sglangs_parser(sglang_python, shim_log) ->
     assert out.returncode == 0, out.stderr[-2000:]
     for flag in ("--delta-swap-store", "--delta-swap-source", "--delta-swap-poll-interval", "--delta-swap-drain",
                  "--delta-swap-drain-timeout", "--delta-swap-fetch-concurrency", "--delta-swap-replay-cost-ratio",
-                 "--delta-swap-staging-dir"):
+                 "--delta-swap-staging-dir", "--delta-swap-trusted-key", "--delta-swap-admin-token",
+                 "--delta-swap-max-model-bytes", "--delta-swap-max-step-jump"):
         assert flag in out.stdout
 
 
@@ -193,7 +205,7 @@ def test_keep_and_abort_drain_modes(drain, models, references, sglang_python, sh
     (Runs before the module's plugin server starts: an idle SGLang CPU scheduler spins on a core,
     and two servers on two cores slow each other down many times over.)"""
     store = tmp_path / "store"
-    publish_dirs(store, [(0, models["A"])])
+    publish_dirs(store, [(0, models["A"])], None)  # unsigned: this server trusts no key and has no token
     port = free_port()
     argv = sglang_argv(models["A"], port) + ["--delta-swap-source", store.as_uri(), "--delta-swap-drain", drain]
     server = start_server(argv, {**sglang_env(shim_log, plugins="delta_swap"), "DELTA_SWAP_POLL_INTERVAL": "0.2"},
@@ -201,7 +213,7 @@ def test_keep_and_abort_drain_modes(drain, models, references, sglang_python, sh
     try:
         st = wait_for(server.url, lambda s: s["current_step"] == 0)
         assert st["drain"] == drain  # from the flag; the poll interval came from the environment
-        results = _swap_during_requests(server.url, store, 1, models["B"])
+        results = _swap_during_requests(server.url, store, 1, models["B"], None)
         for out in results:
             meta = out["meta_info"]
             if drain == "keep":
@@ -216,13 +228,13 @@ def test_keep_and_abort_drain_modes(drain, models, references, sglang_python, sh
         server.stop()
 
 
-def test_swap_matches_a_fresh_server_with_no_stale_radix_cache(live, models, references) -> None:
+def test_swap_matches_a_fresh_server_with_no_stale_radix_cache(live, models, references, creds) -> None:
     server, store = live
     assert greedy(server.url) == references["A"]["greedy"]  # also fills the radix cache with A's KV
-    publish_dirs(store, [(1, models["B"])])
+    publish_dirs(store, [(1, models["B"])], creds)
     st = wait_for(server.url, lambda s: s["current_step"] == 1)
     assert st["current_snapshot_id"] == "step-0000000001" and st["weight_version"] == "step-0000000001"
-    assert st["staleness_steps"] == 0 and st["last_error"] is None
+    assert st["staleness_steps"] == 0 and st["last_error"] is None and st["authenticated"]
     assert set(st["last_update_timings_s"]) >= {"fetch", "decode", "verify", "stage", "pause", "swap"}
     assert weight_checksums(server.url) == references["B"]["weights"]
     assert greedy(server.url) == references["B"]["greedy"]
@@ -233,9 +245,9 @@ def test_swap_matches_a_fresh_server_with_no_stale_radix_cache(live, models, ref
     assert any(line.startswith("delta_swap_current_step{") and line.endswith(" 1.0") for line in metrics.splitlines())
 
 
-def test_a_chain_of_deltas_is_applied_in_order(live, models, references) -> None:
+def test_a_chain_of_deltas_is_applied_in_order(live, models, references, creds) -> None:
     server, store = live
-    publish_dirs(store, [(2, models["C"]), (3, models["D"])])
+    publish_dirs(store, [(2, models["C"]), (3, models["D"])], creds)
     assert kind(store, 2) == kind(store, 3) == "delta"
     st = wait_for(server.url, lambda s: s["current_step"] == 3)
     assert st["last_update_path"][-1] == "step-0000000003"
@@ -244,16 +256,19 @@ def test_a_chain_of_deltas_is_applied_in_order(live, models, references) -> None
     assert greedy(server.url) == references["D"]["greedy"]
 
 
-def test_corrupt_missing_or_out_of_order_deltas_never_reach_the_model(live, models, references, tmp_path) -> None:
+def test_corrupt_missing_or_out_of_order_deltas_never_reach_the_model(live, models, references, creds,
+                                                                      tmp_path) -> None:
     server, store = live
 
     def serves_d() -> None:
         assert greedy(server.url) == references["D"]["greedy"]
 
-    bad_snapshots_never_reach_the_model(server.url, store, models, tmp_path, serves_d)
+    bad_snapshots_never_reach_the_model(server.url, store, models, tmp_path, serves_d, creds)
     assert weight_checksums(server.url) == references["D"]["weights"]
 
-def test_a_snapshot_that_does_not_fit_the_served_model_never_reaches_it(live, models, references, tmp_path) -> None:
+
+def test_a_snapshot_that_does_not_fit_the_served_model_never_reaches_it(live, models, references, creds,
+                                                                        tmp_path) -> None:
     """Names, shapes and dtypes are checked before SGLang sees a byte (a failed load inside its
     scheduler would end the whole server)."""
     server, store = live
@@ -264,7 +279,7 @@ def test_a_snapshot_that_does_not_fit_the_served_model_never_reaches_it(live, mo
     bad.mkdir()
     save_file(weights, str(bad / "model.safetensors"))
     before = status(server.url)["failures"]
-    stage_tampered(store, tmp_path / "s4", 8, bad, lambda snapshot: None)
+    stage_tampered(store, tmp_path / "s4", 8, bad, lambda snapshot: None, creds)
     st = wait_for(server.url, lambda s: s["failures"] > before)
     assert st["current_step"] == 7 and st["newest_step"] == 8
     assert "IncompatibleSnapshotError" in st["last_error"]
@@ -274,9 +289,9 @@ def test_a_snapshot_that_does_not_fit_the_served_model_never_reaches_it(live, mo
     drop_snapshot(store, 8, head_step=7)
 
 
-def test_resync_reloads_the_base_and_replays_the_chain(live, references) -> None:
+def test_resync_reloads_the_base_and_replays_the_chain(live, references, creds) -> None:
     server, _ = live
-    r = httpx.post(f"{server.url}/delta_swap/resync", timeout=300)
+    r = httpx.post(f"{server.url}/delta_swap/resync", headers=creds.headers(), timeout=300)
     assert r.status_code == 200, r.text
     st = r.json()
     assert st["resynced"] and st["current_step"] == 7
@@ -284,40 +299,52 @@ def test_resync_reloads_the_base_and_replays_the_chain(live, references) -> None
     assert greedy(server.url) == references["D"]["greedy"]
 
 
-def _swap_during_requests(url: str, store: Path, step: int, model: Path, *, n: int = 3, tokens: int = LONG):
+def _swap_during_requests(url: str, store: Path, step: int, model: Path, creds: Credentials | None, *, n: int = 3,
+                          tokens: int = LONG):
     """Start ``n`` long requests, publish ``step`` while they run, return their raw outputs."""
     with ThreadPoolExecutor(n) as pool:
         # Prompts sharing no prefix with PROMPTS: KV that the radix cache keeps from these long runs
         # was computed in other batch shapes, which moves this chaotic tiny model's logits a little.
         futures = [pool.submit(generate_raw, url, [2, 3 + i, 11, 13], tokens) for i in range(n)]
         time.sleep(0.3)
-        publish_dirs(store, [(step, model)])
-        httpx.post(f"{url}/delta_swap/notify", timeout=30).raise_for_status()
+        publish_dirs(store, [(step, model)], creds)
+        httpx.post(f"{url}/delta_swap/notify", headers=creds.headers() if creds else {}, timeout=30).raise_for_status()
         results = [f.result() for f in futures]
     wait_for(url, lambda s: s["current_step"] == step)
     return results
 
 
-def test_in_flight_requests_finish_on_one_weight_version_in_wait_mode(live, models) -> None:
+def test_unsigned_snapshots_forged_heads_and_admin_abuse_never_reach_the_model(live, models, references, creds,
+                                                                                tmp_path) -> None:
     server, store = live
-    # 8 was the misfit: snapshot ids are never reused
-    results = _swap_during_requests(server.url, store, 9, models["B"])
+
+    def serves_d() -> None:
+        assert greedy(server.url) == references["D"]["greedy"]
+
+    untrusted_inputs_never_reach_the_model(server.url, store, models, tmp_path, serves_d, creds, served=7, step=9)
+    assert weight_checksums(server.url) == references["D"]["weights"]
+
+
+def test_in_flight_requests_finish_on_one_weight_version_in_wait_mode(live, models, creds) -> None:
+    server, store = live
+    # 8 was the misfit and 9 the unsigned snapshot: snapshot ids are never reused
+    results = _swap_during_requests(server.url, store, 10, models["B"], creds)
     for out in results:
         assert out["meta_info"]["finish_reason"]["type"] == "length" and len(out["output_ids"]) == LONG
         assert len(out["meta_info"]["weight_versions"]) == 1, out["meta_info"]["weight_versions"]
     # They were running when the swap was asked for, and finished on the old weights first.
     assert {o["meta_info"]["weight_versions"][0]["version"] for o in results} == {"step-0000000007"}
-    assert generate(server.url, PROMPTS[0])["weight_versions"][0]["version"] == "step-0000000009"
+    assert generate(server.url, PROMPTS[0])["weight_versions"][0]["version"] == "step-0000000010"
 
 
-def test_fifty_swaps_under_steady_load_without_a_failed_request(live, models) -> None:
+def test_fifty_swaps_under_steady_load_without_a_failed_request(live, models, creds) -> None:
     server, store = live
     weights = load_file(str(models["B"] / "model.safetensors"))
 
     def request(client: httpx.Client, i: int) -> None:
         generate(server.url, PROMPTS[i % 3], 8, client=client)
 
-    st = swaps_under_load(server.url, store, weights, request, first_step=10)
+    st = swaps_under_load(server.url, store, weights, request, first_step=11, creds=creds)
     print(f"swap timings of the last update: {st['last_update_timings_s']}")
 
 

@@ -20,6 +20,7 @@ from delta_swap.rebuild import rebuild
 from delta_swap.retry import RetryPolicy
 from delta_swap.settings import Settings
 from delta_swap.stores import open_store
+from delta_swap.stores.base import ObjectTooLargeError
 from delta_swap.stores.http import HttpConfig, HttpStore
 from delta_swap.stores.s3 import S3Config, S3Store
 from delta_swap.subscriber import Subscriber
@@ -282,3 +283,99 @@ def test_publisher_notifies_servers_after_each_commit(tmp_path, loop_thread) -> 
     steps = rl_steps(3)
     _publish(str(tmp_path), steps, notify_urls=(f"{url}/delta_swap/notify", "http://127.0.0.1:9/unreachable"))
     assert [r["snapshot_id"] for r in received] == ["step-0000000000", "step-0000000001", "step-0000000002"]
+
+
+# ---------------------------------------------------------------------- conditional HEAD writes
+
+
+@pytest.mark.parametrize("backend", ["s3", "file"])
+async def test_concurrent_committers_never_move_head_backwards(backend, s3, tmp_path) -> None:
+    from delta_swap.commit import move_head
+    from delta_swap.stores import FileStore
+
+    url = s3 if backend == "s3" else str(tmp_path / "store")
+    _publish(url, rl_steps(6))
+    store = _s3(url) if backend == "s3" else FileStore(url)
+    reader = ChainReader(store)
+    manifests = [await reader.manifest(f"step-{i:010d}") for i in range(6)]
+    for _ in range(5):
+        await store.put("HEAD", b'{"snapshot_id": "step-0000000000", "step": 0}')
+        moved = await asyncio.gather(*(move_head(store, m) for m in reversed(manifests[1:])))
+        head = await ChainReader(store).head()
+        assert head is not None and head.step == 5 and moved[0]
+    assert await store.put_if("HEAD", b"x", "not-the-etag") is False
+    await store.close()
+
+
+# ---------------------------------------------------------------------- HTTP servers that misbehave
+
+
+@pytest.fixture
+def quirky_http(tmp_path, loop_thread):
+    """Static files behind handlers that ignore Range, omit Content-Length, send more than asked
+    or redirect elsewhere, chosen by the first path segment."""
+    from aiohttp import web
+
+    root = tmp_path / "bucket"
+    root.mkdir()
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        mode, _, key = request.match_info["tail"].partition("/")
+        path = root / key
+        if mode == "redirect":
+            raise web.HTTPFound(f"http://127.0.0.2:9/{key}")
+        if not path.is_file():
+            raise web.HTTPNotFound()
+        data = path.read_bytes()
+        if mode == "ranges-ignored" or request.headers.get("Range") is None:
+            if mode == "no-length":  # chunked: no Content-Length, also on HEAD
+                resp = web.StreamResponse()
+                resp.enable_chunked_encoding()
+                await resp.prepare(request)
+                if request.method != "HEAD":
+                    await resp.write(data)
+                await resp.write_eof()
+                return resp
+            return web.Response(body=data)
+        first, last = (int(x) for x in request.headers["Range"].removeprefix("bytes=").split("-"))
+        extra = 1 << 20 if mode == "too-much" else 0
+        body = data[first:last + 1] + b"\0" * extra
+        return web.Response(status=206, body=body, headers={"Content-Range": f"bytes {first}-{last}/{len(data)}"})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    return root, loop_thread.serve(app)
+
+
+@pytest.mark.parametrize("mode", ["ranges-ignored", "no-length"])
+async def test_http_stores_that_ignore_ranges_or_omit_lengths_still_work(quirky_http, mode) -> None:
+    root, url = quirky_http
+    steps = rl_steps(3)
+    _publish(str(root), steps)
+    engine = RecordingAdapter()
+    store = HttpStore(f"{url}/{mode}", HttpConfig(retry=FAST_RETRY, part_size=1024))
+    sub = Subscriber(Settings(store=f"{url}/{mode}"), engine, store=store)
+    assert await sub.sync(), sub.status()["last_error"]
+    assert sub.current.step == 2
+    shard = next(p for p in (root / "snapshots" / "step-0000000000").iterdir() if p.name.startswith("shard-"))
+    key = f"snapshots/step-0000000000/{shard.name}"
+    assert await store.get(key, 100, 300) == shard.read_bytes()[100:300]
+    with pytest.raises(ObjectTooLargeError):
+        await store.get(key, max_bytes=100)  # more than allowed: cut off
+    await sub.stop()
+    assert_state_equal(engine.weights, steps[2])
+
+
+async def test_http_stores_refuse_oversized_answers_and_redirects(quirky_http) -> None:
+    root, url = quirky_http
+    _publish(str(root), rl_steps(1))
+    shard = next(p for p in (root / "snapshots" / "step-0000000000").iterdir() if p.name.startswith("shard-"))
+    key = f"snapshots/step-0000000000/{shard.name}"
+    too_much = HttpStore(f"{url}/too-much", HttpConfig(retry=FAST_RETRY, part_size=1024))
+    with pytest.raises(StoreError, match="more bytes than the range"):
+        await too_much.get(key)
+    redirected = HttpStore(f"{url}/redirect", HttpConfig(retry=FAST_RETRY))
+    with pytest.raises(StoreError, match="redirect"):
+        await redirected.get_if_changed("HEAD", None)
+    await too_much.close()
+    await redirected.close()

@@ -20,11 +20,13 @@ from delta_swap.publisher import Publisher, PublisherConfig
 from examples.server_process import free_port, start_server
 from examples.tiny_model import make_tiny_model, perturb_weights
 from tests.support.rollout_scenarios import (
+    Credentials,
     bad_snapshots_never_reach_the_model,
     drop_snapshot,
     publish_dirs,
     status,
     swaps_under_load,
+    untrusted_inputs_never_reach_the_model,
     wait_for,
 )
 
@@ -93,13 +95,19 @@ def references(models, tmp_path_factory) -> dict[str, list[list[int]]]:
 
 
 @pytest.fixture(scope="module")
-def live(models, references, tmp_path_factory):
+def creds(tmp_path_factory) -> Credentials:
+    """The trainer signs; the plugin server trusts its key and has an admin token."""
+    return Credentials.make(tmp_path_factory.mktemp("keys"))
+
+
+@pytest.fixture(scope="module")
+def live(models, references, creds, tmp_path_factory):
     """The plugin server, started on A, following a store whose base is A."""
     tmp = tmp_path_factory.mktemp("live")
     store = tmp / "store"
-    publish_dirs(store, [(0, models["A"])])
+    publish_dirs(store, [(0, models["A"])], creds)
     port = free_port()
-    env = {**vllm_env(tmp), "DELTA_SWAP_STORE": store.as_uri(), "DELTA_SWAP_POLL_INTERVAL": "0.2",
+    env = {**vllm_env(tmp), **creds.env(), "DELTA_SWAP_STORE": store.as_uri(), "DELTA_SWAP_POLL_INTERVAL": "0.2",
            "DELTA_SWAP_DRAIN": "wait"}
     argv = vllm_argv(models["A"], port) + ["--weight-transfer-config", '{"backend": "delta_swap"}']
     server = start_server(argv, env, tmp / "live.log", port)
@@ -111,13 +119,13 @@ def live(models, references, tmp_path_factory):
         print(server.log_tail(40))
 
 
-def test_swap_matches_a_fresh_server_with_no_stale_prefix_kv(live, models, references) -> None:
+def test_swap_matches_a_fresh_server_with_no_stale_prefix_kv(live, models, references, creds) -> None:
     server, store = live
     assert greedy(server.url) == references["A"]  # also fills the prefix cache with A's KV
-    publish_dirs(store, [(1, models["B"])])
+    publish_dirs(store, [(1, models["B"])], creds)
     st = wait_for(server.url, lambda s: s["current_step"] == 1)
     assert st["current_snapshot_id"] == "step-0000000001" and st["weight_version"] == "step-0000000001"
-    assert st["staleness_steps"] == 0 and st["last_error"] is None
+    assert st["staleness_steps"] == 0 and st["last_error"] is None and st["authenticated"]
     assert set(st["last_update_timings_s"]) >= {"fetch", "decode", "verify", "pause", "swap"}
     assert greedy(server.url) == references["B"]
     out = generate(server.url, PROMPTS[0])
@@ -127,27 +135,30 @@ def test_swap_matches_a_fresh_server_with_no_stale_prefix_kv(live, models, refer
     assert 'delta_swap_phase_seconds_count{phase="swap"}' in metrics
 
 
-def test_a_chain_of_deltas_is_applied_in_order(live, models, references) -> None:
+def test_a_chain_of_deltas_is_applied_in_order(live, models, references, creds) -> None:
     server, store = live
-    publish_dirs(store, [(2, models["C"]), (3, models["D"])])
+    publish_dirs(store, [(2, models["C"]), (3, models["D"])], creds)
     st = wait_for(server.url, lambda s: s["current_step"] == 3)
     assert st["last_update_path"][-1] == "step-0000000003"
     assert all(p.startswith("step-") for p in st["last_update_path"])
     assert greedy(server.url) == references["D"]
 
 
-def test_corrupt_missing_or_out_of_order_deltas_never_reach_the_model(live, models, references, tmp_path) -> None:
+def test_corrupt_missing_or_out_of_order_deltas_never_reach_the_model(live, models, references, creds,
+                                                                      tmp_path) -> None:
     server, store = live
 
     def serves_d() -> None:
         assert greedy(server.url) == references["D"]
 
-    bad_snapshots_never_reach_the_model(server.url, store, models, tmp_path, serves_d)
+    bad_snapshots_never_reach_the_model(server.url, store, models, tmp_path, serves_d, creds)
 
-def test_resync_reloads_the_base_and_replays_the_chain(live, references) -> None:
+
+def test_resync_reloads_the_base_and_replays_the_chain(live, references, creds) -> None:
     server, _ = live
-    assert httpx.post(f"{server.url}/delta_swap/notify", json={"snapshot_id": "x"}, timeout=30).status_code == 202
-    r = httpx.post(f"{server.url}/delta_swap/resync", timeout=300)
+    notify = httpx.post(f"{server.url}/delta_swap/notify", json={"snapshot_id": "x"}, headers=creds.headers(), timeout=30)
+    assert notify.status_code == 202
+    r = httpx.post(f"{server.url}/delta_swap/resync", headers=creds.headers(), timeout=300)
     assert r.status_code == 200, r.text
     st = r.json()
     assert st["resynced"] and st["current_step"] == 7
@@ -155,13 +166,13 @@ def test_resync_reloads_the_base_and_replays_the_chain(live, references) -> None
     assert greedy(server.url) == references["D"]
 
 
-def test_a_snapshot_that_does_not_fit_the_served_model_is_refused(live, models, references) -> None:
+def test_a_snapshot_that_does_not_fit_the_served_model_is_refused(live, models, references, creds) -> None:
     server, store = live
     weights = load_file(str(models["E"] / "model.safetensors"))
     name = "model.layers.0.mlp.gate_proj.weight"
     weights[name] = weights[name][:-1].clone()  # one row short: vLLM would fail half way through
     before = status(server.url)["failures"]
-    with Publisher(str(store), PublisherConfig(base_every=1000)) as pub:
+    with Publisher(str(store), PublisherConfig(base_every=1000, signing_key=str(creds.signing_key))) as pub:
         pub.publish(8, weights)
     st = wait_for(server.url, lambda s: s["failures"] > before)
     assert st["current_step"] == 7 and name in st["last_error"] and "IncompatibleSnapshotError" in st["last_error"]
@@ -169,26 +180,36 @@ def test_a_snapshot_that_does_not_fit_the_served_model_is_refused(live, models, 
     drop_snapshot(store, 8, head_step=7)
 
 
-def test_in_flight_requests_finish_on_one_weight_version_in_wait_mode(live, models) -> None:
+def test_unsigned_snapshots_forged_heads_and_admin_abuse_never_reach_the_model(live, models, references, creds,
+                                                                                tmp_path) -> None:
+    server, store = live
+
+    def serves_d() -> None:
+        assert greedy(server.url) == references["D"]
+
+    untrusted_inputs_never_reach_the_model(server.url, store, models, tmp_path, serves_d, creds, served=7, step=9)
+
+
+def test_in_flight_requests_finish_on_one_weight_version_in_wait_mode(live, models, creds) -> None:
     server, store = live
     results: list[dict] = []
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(generate, server.url, PROMPTS[i % 3], 120) for i in range(4)]
         time.sleep(0.5)
-        publish_dirs(store, [(9, models["B"])])
+        publish_dirs(store, [(10, models["B"])], creds)
         results = [f.result() for f in futures]
-    wait_for(server.url, lambda s: s["current_step"] == 9)
+    wait_for(server.url, lambda s: s["current_step"] == 10)
     for out in results:
         assert len(out["token_ids"]) == 120
         assert len(out["weight_versions"]) == 1, out["weight_versions"]
-    assert generate(server.url, PROMPTS[0])["weight_versions"][0]["version"] == "step-0000000009"
+    assert generate(server.url, PROMPTS[0])["weight_versions"][0]["version"] == "step-0000000010"
 
 
-def test_fifty_swaps_under_steady_load_without_a_failed_request(live, models) -> None:
+def test_fifty_swaps_under_steady_load_without_a_failed_request(live, models, creds) -> None:
     server, store = live
     weights = load_file(str(models["B"] / "model.safetensors"))
 
     def request(client: httpx.Client, i: int) -> None:
         generate(server.url, PROMPTS[i % 3], 8, client=client)
 
-    swaps_under_load(server.url, store, weights, request, first_step=10)
+    swaps_under_load(server.url, store, weights, request, first_step=11, creds=creds)

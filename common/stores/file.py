@@ -1,14 +1,24 @@
-"""``file://`` store: a folder on a local or shared file system (the embedded default)."""
+"""``file://`` store: a folder on a local or shared file system (the embedded default).
+
+Keys are relative paths below the root. Reads refuse anything that is not a regular file (a
+FIFO, a device) and any path whose symlinks lead outside the root, and never read more than the
+reader allows. Writes go through a temp file and ``os.replace``; conditional writes (HEAD) hold
+an exclusive ``flock`` on a lock file in the root while they compare and replace.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
+import stat
 import tempfile
 from pathlib import Path
 
 from ..errors import NotFoundError, StoreError
-from .base import Store, check_key
+from .base import Store, check_key, check_size, content_tag
+
+_LOCK_NAME = ".delta-swap.lock"
 
 
 class FileStore(Store):
@@ -23,24 +33,38 @@ class FileStore(Store):
             raise NotFoundError(f"store not found: {self.root}")
 
     def _path(self, key: str) -> Path:
-        return self.root / check_key(key)
+        path = self.root / check_key(key)
+        real = os.path.realpath(path)
+        if real != str(self.root) and not real.startswith(str(self.root) + os.sep):
+            raise StoreError(f"{key} in {self.public_url} is a link that leaves the store")
+        return path
 
-    async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
-        return await asyncio.to_thread(self._get, key, start, end)
+    async def get(self, key: str, start: int | None = None, end: int | None = None, *,
+                  max_bytes: int | None = None) -> bytes:
+        return await asyncio.to_thread(self._get, key, start, end, max_bytes)
 
-    def _get(self, key: str, start: int | None, end: int | None) -> bytes:
+    def _get(self, key: str, start: int | None, end: int | None, max_bytes: int | None) -> bytes:
         path = self._path(key)
         try:
-            with open(path, "rb") as fh:
-                if start is None and end is None:
-                    return fh.read()
-                begin = start or 0
-                fh.seek(begin)
-                return fh.read(-1 if end is None else max(0, end - begin))
+            # O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused just below.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
-            raise NotFoundError(f"{key} not found in {self.url}") from None
+            raise NotFoundError(f"{key} not found in {self.public_url}") from None
         except OSError as exc:
-            raise StoreError(f"cannot read {key} from {self.url}: {exc}") from None
+            raise StoreError(f"cannot read {key} from {self.public_url}: {exc.strerror}") from None
+        with os.fdopen(fd, "rb") as fh:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise StoreError(f"{key} in {self.public_url} is not a regular file")
+            begin = start or 0
+            stop = info.st_size if end is None else end
+            check_size(key, max(0, stop - begin), max_bytes)
+            try:
+                fh.seek(begin)
+                data = fh.read(max(0, stop - begin))
+            except OSError as exc:
+                raise StoreError(f"cannot read {key} from {self.public_url}: {exc.strerror}") from None
+        return data
 
     async def put(self, key: str, data: bytes | memoryview) -> None:
         await asyncio.to_thread(self._put, key, data)
@@ -58,7 +82,22 @@ class FileStore(Store):
                 os.unlink(tmp)
                 raise
         except OSError as exc:
-            raise StoreError(f"cannot write {key} to {self.url}: {exc}") from None
+            raise StoreError(f"cannot write {key} to {self.public_url}: {exc.strerror}") from None
+
+    async def put_if(self, key: str, data: bytes | memoryview, etag: str | None) -> bool:
+        return await asyncio.to_thread(self._put_if, key, data, etag)
+
+    def _put_if(self, key: str, data: bytes | memoryview, etag: str | None) -> bool:
+        with open(self.root / _LOCK_NAME, "a+b") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                current = content_tag(self._get(key, None, None, None))
+            except NotFoundError:
+                current = None
+            if current != etag:
+                return False
+            self._put(key, data)
+            return True
 
     async def size(self, key: str) -> int | None:
         try:

@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 
 from ..errors import NotFoundError, StoreError, TransientError
 from ..retry import RetryPolicy, retry
-from .base import RangedStore, check_key
+from .base import RangedStore, check_key, check_size
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,11 @@ class S3Config:
 _TRANSIENT_CODES = {"500", "502", "503", "504", "InternalError", "ServiceUnavailable", "SlowDown",
                     "RequestTimeout", "Throttling", "ThrottlingException", "RequestTimeTooSkewed"}
 _MISSING_CODES = {"404", "NoSuchKey", "NotFound"}
+_CONDITION_CODES = {"412", "PreconditionFailed", "409", "ConditionalRequestConflict"}
+
+
+class _ConditionFailed(StoreError):
+    """A conditional write lost: the object is not in the state the writer expected."""
 
 
 class S3Store(RangedStore):
@@ -103,14 +108,12 @@ class S3Store(RangedStore):
             resp = await client.get_object(Bucket=self.bucket, Key=self._key(key), Range=f"bytes={first}-{end - 1}")
             async with resp["Body"] as body:
                 while chunk := await body.read(1 << 20):
-                    received.extend(chunk)
-            if len(received) != end - start:
-                raise TransientError(f"short body for {key}: {len(received)} of {end - start} bytes")
-            return bytes(received)
+                    self._take(received, chunk, start, end, key)
+            return self._whole(received, start, end, key)
 
         return await self._call(f"GET {key} [{start}, {end})", op)
 
-    async def get_if_changed(self, key: str, etag: str | None) -> tuple[bytes, str] | None:
+    async def get_if_changed(self, key: str, etag: str | None, *, max_bytes: int | None = None) -> tuple[bytes, str] | None:
         async def op(client: Any) -> tuple[bytes, str] | None:
             kwargs = {"IfNoneMatch": etag} if etag else {}
             try:
@@ -119,13 +122,30 @@ class S3Store(RangedStore):
                 if _code(exc) in ("304", "NotModified"):
                     return None
                 raise
+            length = int(resp["ContentLength"])
+            check_size(key, length, max_bytes)
+            data = bytearray()
             async with resp["Body"] as body:
-                data = await body.read()
-            if len(data) != int(resp["ContentLength"]):
+                while chunk := await body.read(1 << 16):
+                    data.extend(chunk)
+                    check_size(key, len(data), max_bytes)
+            if len(data) != length:
                 raise TransientError(f"short body for {key}")
-            return data, resp["ETag"]
+            return bytes(data), resp["ETag"]
 
         return await self._call(f"GET {key} if changed", op)
+
+    async def put_if(self, key: str, data: bytes | memoryview, etag: str | None) -> bool:
+        """A conditional PUT (If-Match, or If-None-Match: * when ``etag`` is None), which S3 and
+        MinIO evaluate atomically: False when the object changed (412) or a concurrent
+        conditional write won (409)."""
+        condition = {"IfMatch": etag} if etag is not None else {"IfNoneMatch": "*"}
+        try:
+            await self._call(f"PUT {key} if unchanged", lambda c: c.put_object(
+                Bucket=self.bucket, Key=self._key(key), Body=bytes(data), **condition))
+        except _ConditionFailed:
+            return False
+        return True
 
     async def list(self, prefix: str) -> list[str]:
         root = f"{self.prefix}/" if self.prefix else ""
@@ -186,9 +206,11 @@ def _classify(exc: BaseException, what: str) -> BaseException:
     code = _code(exc)
     if code in _MISSING_CODES:
         return NotFoundError(f"{what}: not found")
+    if code in _CONDITION_CODES:
+        return _ConditionFailed(f"{what}: {code}")
     if code in _TRANSIENT_CODES or code.startswith("5"):
         return TransientError(f"{what}: {code}")
     if code:
-        return StoreError(f"{what}: {code} {exc}")
+        return StoreError(f"{what}: S3 error {code}")
     # No S3 error document: a network-level failure (timeout, reset, truncated response).
-    return TransientError(f"{what}: {type(exc).__name__}: {exc}")
+    return TransientError(f"{what}: {type(exc).__name__}")

@@ -1,6 +1,8 @@
 """Engine-agnostic pieces of the engine tests: talk to ``/delta_swap/status``, publish checkpoints,
-and play the bad-snapshot scenario every adapter must survive. The engine test modules supply
-how to check that a server still serves the last good weights."""
+and play the scenarios every adapter must survive (bad snapshots, untrusted inputs, swaps under
+load). The engine test modules supply how to check that a server still serves the last good
+weights. Servers run with a trusted key and an admin token (:class:`Credentials`), as in
+production; publishers sign."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -19,6 +23,28 @@ from delta_swap import store_keys
 from delta_swap.chain import encode_head
 from delta_swap.manifest import Manifest
 from delta_swap.publisher import Publisher, PublisherConfig
+from delta_swap.signing import generate_keypair
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """The trainer's signing key, the servers' trusted key and admin token of one test module."""
+
+    signing_key: Path
+    trusted_key: Path
+    admin_token: str
+
+    @classmethod
+    def make(cls, folder: Path) -> Credentials:
+        key, pub = generate_keypair(folder / "trainer.key")
+        return cls(key, pub, "test-admin-token-" + folder.name)
+
+    def env(self) -> dict[str, str]:
+        """What a server is started with."""
+        return {"DELTA_SWAP_TRUSTED_KEY": str(self.trusted_key), "DELTA_SWAP_ADMIN_TOKEN": self.admin_token}
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_token}"}
 
 
 def status(url: str) -> dict:
@@ -36,18 +62,20 @@ def wait_for(url: str, pred: Callable[[dict], bool], timeout: float = 120) -> di
     raise AssertionError(f"timed out; status: {json.dumps(st, indent=1)}")
 
 
-def publish_dirs(store: Path, steps: list[tuple[int, Path]]) -> None:
-    """Publish checkpoint folders as the given steps, as a trainer would."""
-    with Publisher(str(store), PublisherConfig(base_every=1000)) as pub:
+def publish_dirs(store: Path, steps: list[tuple[int, Path]], creds: Credentials | None) -> None:
+    """Publish checkpoint folders as the given steps, as a trainer would (signed with ``creds``)."""
+    key = str(creds.signing_key) if creds else None
+    with Publisher(str(store), PublisherConfig(base_every=1000, signing_key=key)) as pub:
         for step, ckpt in steps:
             pub.publish(step, load_file(str(ckpt / "model.safetensors")))
 
 
-def stage_tampered(store: Path, scratch: Path, step: int, model: Path, tamper: Callable[[Path], None]) -> None:
+def stage_tampered(store: Path, scratch: Path, step: int, model: Path, tamper: Callable[[Path], None],
+                   creds: Credentials | None) -> None:
     """Publish ``step`` into a copy of the store, damage it, then commit it to the live store
-    in the publisher's order (shards, manifest, HEAD)."""
+    in the publisher's order (shards, signature, manifest, HEAD)."""
     shutil.copytree(store, scratch, dirs_exist_ok=True)
-    publish_dirs(scratch, [(step, model)])
+    publish_dirs(scratch, [(step, model)], creds)
     sid = f"step-{step:010d}"
     tamper(scratch / "snapshots" / sid)
     dest = store / "snapshots" / sid
@@ -79,12 +107,13 @@ def claim_to_follow_step_2(snapshot: Path) -> None:
 
 
 def bad_snapshots_never_reach_the_model(url: str, store: Path, models: dict[str, Path], tmp_path: Path,
-                                        serves_d: Callable[[], None]) -> None:
-    """From a server on step 3 (model D): a corrupt delta (step 4), an out-of-order one (5) and a
-    missing link (7 without 6) are all refused while ``serves_d`` keeps passing; once step 6
-    shows up the server catches up to 7 (D's weights again) by itself."""
+                                        serves_d: Callable[[], None], creds: Credentials) -> None:
+    """From a server on step 3 (model D): a corrupt delta (step 4), an out-of-order one whose
+    manifest was edited (5: its signature no longer matches) and a missing link (7 without 6) are
+    all refused while ``serves_d`` keeps passing; once step 6 shows up the server catches up to 7
+    (D's weights again) by itself."""
     before = status(url)["failures"]
-    stage_tampered(store, tmp_path / "s1", 4, models["E"], flip_a_shard_bit)
+    stage_tampered(store, tmp_path / "s1", 4, models["E"], flip_a_shard_bit, creds)
     st = wait_for(url, lambda s: s["failures"] > before)
     assert st["current_step"] == 3 and st["newest_step"] == 4 and st["staleness_steps"] == 1
     assert "ChecksumMismatchError" in st["last_error"]
@@ -93,14 +122,14 @@ def bad_snapshots_never_reach_the_model(url: str, store: Path, models: dict[str,
 
     drop_snapshot(store, 4, head_step=3)
     before = status(url)["failures"]
-    stage_tampered(store, tmp_path / "s2", 5, models["E"], claim_to_follow_step_2)
+    stage_tampered(store, tmp_path / "s2", 5, models["E"], claim_to_follow_step_2, creds)
     st = wait_for(url, lambda s: s["failures"] > before)
-    assert st["current_step"] == 3 and "Checksum" in st["last_error"]
+    assert st["current_step"] == 3 and st["last_error_kind"] == "signature", st["last_error"]
     drop_snapshot(store, 5, head_step=3)
 
     scratch = tmp_path / "s3"
     shutil.copytree(store, scratch)
-    publish_dirs(scratch, [(6, models["E"]), (7, models["D"])])
+    publish_dirs(scratch, [(6, models["E"]), (7, models["D"])], creds)
     before = status(url)["failures"]
     shutil.copytree(scratch / "snapshots" / "step-0000000007", store / "snapshots" / "step-0000000007")
     shutil.copy(scratch / "HEAD", store / "HEAD")
@@ -114,8 +143,42 @@ def bad_snapshots_never_reach_the_model(url: str, store: Path, models: dict[str,
     serves_d()
 
 
+def untrusted_inputs_never_reach_the_model(url: str, store: Path, models: dict[str, Path], tmp_path: Path,
+                                           serves_d: Callable[[], None], creds: Credentials, served: int,
+                                           step: int) -> None:
+    """From a server on step ``served`` (model D), with a trusted key and an admin token: an
+    unsigned snapshot (as ``step``), a HEAD that claims a future step, POSTs without the token
+    and a storm of 50 concurrent resyncs all leave it serving D, and status says what happened."""
+    before = status(url)["failures"]
+    stage_tampered(store, tmp_path / "unsigned", step, models["E"], lambda snapshot: None, None)
+    st = wait_for(url, lambda s: s["failures"] > before)
+    assert st["current_step"] == served and st["last_error_kind"] == "signature" and "not signed" in st["last_error"]
+    serves_d()
+    drop_snapshot(store, step, head_step=served)
+
+    before = status(url)["failures"]
+    head = json.loads((store / store_keys.HEAD_KEY).read_text())
+    (store / store_keys.HEAD_KEY).write_text(json.dumps({**head, "step": 10**12}))  # a future step
+    st = wait_for(url, lambda s: s["failures"] > before)
+    assert st["current_step"] == served and "claims step" in st["last_error"]
+    serves_d()
+    (store / store_keys.HEAD_KEY).write_text(json.dumps(head))
+
+    for route in ("resync", "notify"):
+        assert httpx.post(f"{url}/delta_swap/{route}", timeout=30).status_code == 401
+        assert httpx.post(f"{url}/delta_swap/{route}", headers={"Authorization": "Bearer wrong"},
+                          timeout=30).status_code == 401
+    with ThreadPoolExecutor(50) as pool:
+        codes = list(pool.map(lambda _: httpx.post(f"{url}/delta_swap/resync", headers=creds.headers(),
+                                                   timeout=300).status_code, range(50)))
+    assert codes.count(409) >= 40 and set(codes) <= {200, 409}, codes
+    st = wait_for(url, lambda s: s["current_step"] == served and s["last_error"] is None)
+    assert st["last_resync"]["ok"] and st["last_resync"]["to_step"] == served
+    serves_d()
+
+
 def swaps_under_load(url: str, store: Path, weights: dict, request: Callable[[httpx.Client, int], object],
-                     first_step: int, swaps: int = 50) -> dict:
+                     first_step: int, creds: Credentials, swaps: int = 50) -> dict:
     """Publish ``swaps`` RL-sized updates of ``weights`` one after another, each applied before the
     next, while two clients keep calling ``request``; no request may fail. Returns the status."""
     gen = torch.Generator().manual_seed(0)
@@ -136,7 +199,7 @@ def swaps_under_load(url: str, store: Path, weights: dict, request: Callable[[ht
         t.start()
     start_updates = status(url)["updates_applied"]
     try:
-        with Publisher(str(store), PublisherConfig(base_every=20)) as pub:
+        with Publisher(str(store), PublisherConfig(base_every=20, signing_key=str(creds.signing_key))) as pub:
             for step in range(first_step, first_step + swaps):
                 for w in weights.values():  # an RL-sized nudge: a few ULPs on ~2% of elements
                     mask = torch.rand(w.shape, generator=gen) < 0.02
