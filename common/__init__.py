@@ -68,6 +68,8 @@ _EXPORTS = {
     "TransientError": "errors",
     "PublishError": "errors",
     "EngineError": "errors",
+    "EngineStateUnknownError": "errors",
+    "SignatureError": "errors",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

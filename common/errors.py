@@ -15,6 +15,7 @@
     │   └── TransientError            worth retrying: timeout, 5xx, dropped connection, short body
     ├── PublishError                  a background publish failed (the cause is chained)
     └── EngineError                   the inference engine refused or failed a weight update
+        └── EngineStateUnknownError   ... and restoring the previous weights failed too
 
 Backends translate their own failures at the edge: the S3 and HTTP stores map botocore and
 httpx errors to ``StoreError`` subclasses, and each engine adapter maps its engine's errors to
@@ -75,3 +76,8 @@ class PublishError(DeltaSwapError):
 
 class EngineError(DeltaSwapError):
     """The inference engine refused or failed a weight update (its message is kept)."""
+
+
+class EngineStateUnknownError(EngineError):
+    """A swap failed and so did the rollback: the engine may hold a mix of versions, and the
+    subscriber reloads every tensor from the newest base at its next poll."""

@@ -20,7 +20,7 @@ from typing import Any
 
 from .chain import ChainReader
 from .engine_adapter import EngineAdapter, WeightUpdate
-from .errors import ChainError, ConfigError, DeltaSwapError
+from .errors import ChainError, ConfigError, DeltaSwapError, EngineStateUnknownError
 from .manifest import Manifest, SnapshotKind
 from .metrics import failure_kind, subscriber_metrics
 from .rebuild import replay
@@ -48,6 +48,7 @@ class Subscriber:
         self._lock = asyncio.Lock()
         self._resyncing = False
         self._last_resync: dict[str, Any] | None = None
+        self._phase: str | None = None
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._state: StateDict | None = None
@@ -127,6 +128,10 @@ class Subscriber:
         async with self._lock:
             try:
                 return await self._sync(force_base, allow_older)
+            except EngineStateUnknownError as exc:
+                self._record_error(exc)
+                self._current = self._state = None  # reload every tensor at the next poll
+                return False
             except (DeltaSwapError, OSError, asyncio.TimeoutError) as exc:
                 self._record_error(exc)
                 return False
@@ -135,7 +140,7 @@ class Subscriber:
                 self._record_error(exc)
                 return False
             finally:
-                self._staged_id = None
+                self._staged_id = self._phase = None
                 self._export_metrics()
 
     async def resync(self, *, allow_older: bool = False) -> bool:
@@ -172,7 +177,11 @@ class Subscriber:
         text = re.sub(r"(?<![\w.-])/(?:[^\s/'\"]+/)+[^\s/'\"]*", "<path>", text)
         return text[:500]
 
+    def _enter_phase(self, phase: str) -> None:
+        self._phase = phase
+
     async def _sync(self, force_base: bool, allow_older: bool = False) -> bool:
+        self._phase = "poll"
         head = await self.reader.head()
         if head is None:
             return False
@@ -192,6 +201,7 @@ class Subscriber:
                              "(the newer snapshots cannot be rebuilt); pass allow_older=1 to do it anyway")
         self.adapter.served.check_fits(target.specs)  # before a byte is fetched
         timings: dict[str, float] = {"fetch": 0.0, "decode": 0.0, "verify": 0.0}
+        self._phase = "fetch"
         start = None if path[0].kind is SnapshotKind.BASE else self._state
         state = await replay(self.reader, path, start, concurrency=self.settings.fetch_concurrency,
                              timings=timings, progress=self._metrics.bytes_fetched.inc,
@@ -199,7 +209,7 @@ class Subscriber:
         update = WeightUpdate(version=target.snapshot_id, state=state, names=self._changed(target),
                               previous=self._state, checksums={t.name: t.checksum for t in target.tensors})
         self._staged_id = target.snapshot_id
-        timings.update(await apply_update(self.adapter, update, self.settings))
+        timings.update(await apply_update(self.adapter, update, self.settings, on_phase=self._enter_phase))
         self._state, self._current = state, target
         self._last_timings = timings
         self._last_path = [m.snapshot_id for m in path]
@@ -264,6 +274,7 @@ class Subscriber:
             "staleness_steps": self._staleness_steps(),
             "staleness_seconds": round(self._staleness_seconds(), 3),
             "staged_snapshot_id": self._staged_id,
+            "update_phase": self._phase,
             "last_error": self._last_error,
             "last_error_kind": self._last_error_kind if self._last_error else None,
             "last_error_at": self._last_error_at,

@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from .checkpoint_dir import read_checkpoint_dir
 from .engine_adapter import EngineAdapter, WeightUpdate
-from .errors import DeltaSwapError, EngineError
+from .errors import DeltaSwapError, EngineError, EngineStateUnknownError
 from .settings import Settings
 from .tensors import specs_of
 
@@ -24,8 +24,11 @@ log = logging.getLogger("delta_swap.swap")
 
 
 @contextmanager
-def timed(timings: dict[str, float], phase: str) -> Iterator[None]:
-    """Add the seconds spent in the ``with`` block to ``timings[phase]``."""
+def timed(timings: dict[str, float], phase: str, on_phase: Callable[[str], None] | None = None) -> Iterator[None]:
+    """Add the seconds spent in the ``with`` block to ``timings[phase]`` (announcing the phase
+    to ``on_phase`` first)."""
+    if on_phase is not None:
+        on_phase(phase)
     start = time.perf_counter()
     try:
         yield
@@ -33,8 +36,10 @@ def timed(timings: dict[str, float], phase: str) -> Iterator[None]:
         timings[phase] = timings.get(phase, 0.0) + time.perf_counter() - start
 
 
-async def apply_update(adapter: EngineAdapter, update: WeightUpdate, settings: Settings) -> dict[str, float]:
-    """Put ``update`` into the engine behind ``adapter``; returns the seconds of each phase.
+async def apply_update(adapter: EngineAdapter, update: WeightUpdate, settings: Settings,
+                       on_phase: Callable[[str], None] | None = None) -> dict[str, float]:
+    """Put ``update`` into the engine behind ``adapter``; returns the seconds of each phase
+    (``on_phase`` hears each phase's name as it starts).
 
     Raises IncompatibleSnapshotError before touching the engine when the update does not fit
     the served model, and EngineError (after restoring the previous tensors) when the engine
@@ -43,22 +48,27 @@ async def apply_update(adapter: EngineAdapter, update: WeightUpdate, settings: S
     adapter.served.check_fits(specs_of(update.state))
     version_before = await _engine_call(adapter, adapter.weight_version())
     timings: dict[str, float] = {}
-    with timed(timings, "stage"):
+    with timed(timings, "stage", on_phase):
         staged = await _engine_call(adapter, adapter.stage(update))
     try:
-        with timed(timings, "pause"):
+        with timed(timings, "pause", on_phase):
             await _engine_call(adapter, adapter.pause(settings.drain, settings.drain_timeout))
         try:
-            with timed(timings, "swap"):
+            with timed(timings, "swap", on_phase):
                 await _engine_call(adapter, adapter.swap(update, staged))
         except BaseException as exc:
-            with timed(timings, "rollback"):
-                await _rollback(adapter, update, version_before)
+            with timed(timings, "rollback", on_phase):
+                try:
+                    await _rollback(adapter, update, version_before)
+                except Exception as undo:
+                    raise EngineStateUnknownError(
+                        f"{adapter.name}: the swap failed ({exc}) and restoring the previous weights failed too "
+                        f"({undo}); the engine must be reloaded") from undo
             if isinstance(exc, DeltaSwapError):
                 raise
             raise adapter.engine_error(exc) from exc
         finally:
-            with timed(timings, "resume"):
+            with timed(timings, "resume", on_phase):
                 await _quietly(adapter.resume(), "resume")
     finally:
         await _quietly(adapter.unstage(staged), "unstage")

@@ -22,7 +22,7 @@ import httpx
 import torch
 from safetensors.torch import load_file
 
-from examples.server_process import free_port, start_server
+from examples.servers import vllm as vllm_server
 from examples.tiny_model import make_tiny_model, perturb_weights
 
 PROMPT = [5, 17, 99, 230, 41, 300, 301, 302]
@@ -63,15 +63,10 @@ def generate(url: str) -> dict:
 def live_swap(work: Path, store: str, checkpoints: list[Path]) -> None:
     print("== starting vLLM with the delta_swap plugin, following a store that holds step 0")
     cli("publish", str(checkpoints[0]), "--store", store, "--step", "0", show=False)
-    port = free_port()
-    env = {"VLLM_PLUGINS": "delta_swap", "DELTA_SWAP_STORE": store, "DELTA_SWAP_POLL_INTERVAL": "0.5",
-           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(work / "vllm-cache"), "HF_HUB_OFFLINE": "1"}
-    argv = ["-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoints[0]), "--port", str(port),
-            "--served-model-name", "tiny", "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "1024",
-            "--enable-scale-out", "--weight-transfer-config", '{"backend": "delta_swap"}']
-    print("$ " + " ".join(f"{k}={v}" for k, v in env.items() if k.startswith(("VLLM_PLUGINS", "DELTA"))) +
-          " python " + " ".join(argv[:4]) + " ... --weight-transfer-config '{\"backend\": \"delta_swap\"}'")
-    server = start_server(argv, env, work / "vllm.log", port)
+    settings = {"store": store, "poll_interval": 0.5}
+    print(f"$ VLLM_PLUGINS=delta_swap DELTA_SWAP_STORE={store} python -m vllm.entrypoints.openai.api_server "
+          f"--model {checkpoints[0]} ... --weight-transfer-config '{{\"backend\": \"delta_swap\"}}'")
+    server = vllm_server.start(checkpoints[0], work, settings=settings, served_name="tiny")
     try:
         status_url = f"{server.url}/delta_swap/status"
         for step, ckpt in enumerate(checkpoints):

@@ -16,7 +16,7 @@ EXPECTED = {
     # errors
     "DeltaSwapError", "ConfigError", "CorruptDataError", "ChecksumMismatchError", "FormatVersionError",
     "ChainError", "IncompatibleSnapshotError", "StoreError", "NotFoundError", "TransientError", "PublishError",
-    "EngineError",
+    "EngineError", "EngineStateUnknownError", "SignatureError",
 }
 
 

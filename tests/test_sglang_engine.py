@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from examples.server_process import free_port, start_server
+from examples.servers import sglang as sglang_server
 from examples.tiny_model import make_tiny_model, perturb_weights
 from tests.support.rollout_scenarios import (
     Credentials,
@@ -58,9 +58,7 @@ LONG = 600
 @pytest.fixture(scope="module")
 def sglang_python() -> str:
     """The SGLang environment's interpreter (built once by scripts/sglang_env.sh, then cached)."""
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "sglang_env.sh")], check=True, capture_output=True,
-                         text=True, timeout=1800)
-    python = str(Path(out.stdout.strip().splitlines()[-1]) / "bin" / "python")
+    python = sglang_server.python()
     probe = ("from importlib.metadata import entry_points\n"
              "print([e.value for e in entry_points(group='sglang.srt.plugins') if e.name == 'delta_swap'])")
     registered = subprocess.run([python, "-c", probe], check=True, capture_output=True, text=True).stdout
@@ -72,17 +70,6 @@ def sglang_python() -> str:
 def shim_log(tmp_path_factory) -> Path:
     """Where the sgl_kernel CPU test shim records any call (every server of this module)."""
     return tmp_path_factory.mktemp("shim") / "sgl_kernel-calls.log"
-
-
-def sglang_argv(model: Path, port: int) -> list[str]:
-    return ["-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1", "--port", str(port),
-            "--device", "cpu", "--attention-backend", "torch_native", "--max-total-tokens", "4096",
-            "--random-seed", "0", "--served-model-name", "tiny"]
-
-
-def sglang_env(shim_log: Path, plugins: str) -> dict[str, str]:
-    return {"SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
-            "SGLANG_PLUGINS": plugins, "DELTA_SWAP_SGL_KERNEL_SHIM_LOG": str(shim_log)}
 
 
 def generate_raw(url: str, prompt: list[int], max_tokens: int = 12, client: httpx.Client | None = None) -> dict:
@@ -136,10 +123,8 @@ def references(models, sglang_python, shim_log, tmp_path_factory) -> dict[str, d
     tmp = tmp_path_factory.mktemp("ref")
     out = {}
     for name in ("A", "B", "D"):
-        port = free_port()
-        env = sglang_env(shim_log, plugins="none")  # an allowlist naming no plugin: plain SGLang
-        server = start_server(sglang_argv(models[name], port), env, tmp / f"ref-{name}.log", port,
-                              python=sglang_python)
+        server = sglang_server.start(models[name], tmp, plugin=False, served_name="tiny", shim_log=shim_log,
+                                     log_name=f"ref-{name}.log")
         try:
             out[name] = {"greedy": greedy(server.url), "weights": weight_checksums(server.url)}
         finally:
@@ -160,14 +145,11 @@ def live(models, references, sglang_python, shim_log, creds, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("live")
     store = tmp / "store"
     publish_dirs(store, [(0, models["A"])], creds)
-    port = free_port()
-    argv = sglang_argv(models["A"], port) + [
-        "--delta-swap-store", store.as_uri(), "--delta-swap-poll-interval", "0.2", "--delta-swap-drain", "wait",
-        "--delta-swap-drain-timeout", "180",  # the wait-mode test lets 600-token requests finish, also on a busy CI
-        "--delta-swap-trusted-key", str(creds.trusted_key), "--delta-swap-admin-token", creds.admin_token,
-        "--enable-metrics"]
-    server = start_server(argv, sglang_env(shim_log, plugins="delta_swap"), tmp / "live.log", port,
-                          python=sglang_python)
+    # drain_timeout: the wait-mode test lets 600-token requests finish, also on a busy CI machine.
+    settings = {"store": store.as_uri(), "poll_interval": 0.2, "drain": "wait", "drain_timeout": 180,
+                **creds.settings()}
+    server = sglang_server.start(models["A"], tmp, settings=settings, served_name="tiny", shim_log=shim_log,
+                                 extra=["--enable-metrics"], log_name="live.log")
     try:
         wait_for(server.url, lambda s: s["current_step"] == 0)
         yield server, store
@@ -177,8 +159,8 @@ def live(models, references, sglang_python, shim_log, creds, tmp_path_factory):
 
 
 def test_the_plugin_adds_its_flags_to_sglangs_parser(sglang_python, shim_log) -> None:
-    out = subprocess.run([sglang_python, "-m", "sglang.launch_server", "--help"], check=False, capture_output=True, text=True,
-                         timeout=300, env={**os.environ, **sglang_env(shim_log, plugins="delta_swap")})
+    out = subprocess.run([sglang_python, "-m", "sglang.launch_server", "--help"], check=False, capture_output=True,
+                         text=True, timeout=300, env={**os.environ, **sglang_server.environment(shim_log=shim_log)})
     assert out.returncode == 0, out.stderr[-2000:]
     for flag in ("--delta-swap-store", "--delta-swap-source", "--delta-swap-poll-interval", "--delta-swap-drain",
                  "--delta-swap-drain-timeout", "--delta-swap-fetch-concurrency", "--delta-swap-replay-cost-ratio",
@@ -206,10 +188,9 @@ def test_keep_and_abort_drain_modes(drain, models, references, sglang_python, sh
     and two servers on two cores slow each other down many times over.)"""
     store = tmp_path / "store"
     publish_dirs(store, [(0, models["A"])], None)  # unsigned: this server trusts no key and has no token
-    port = free_port()
-    argv = sglang_argv(models["A"], port) + ["--delta-swap-source", store.as_uri(), "--delta-swap-drain", drain]
-    server = start_server(argv, {**sglang_env(shim_log, plugins="delta_swap"), "DELTA_SWAP_POLL_INTERVAL": "0.2"},
-                          tmp_path / "server.log", port, python=sglang_python)
+    server = sglang_server.start(models["A"], tmp_path, served_name="tiny", shim_log=shim_log,
+                                 extra=["--delta-swap-source", store.as_uri(), "--delta-swap-drain", drain],
+                                 env={"DELTA_SWAP_POLL_INTERVAL": "0.2"})
     try:
         st = wait_for(server.url, lambda s: s["current_step"] == 0)
         assert st["drain"] == drain  # from the flag; the poll interval came from the environment

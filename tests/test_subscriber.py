@@ -160,3 +160,31 @@ async def test_a_push_notification_wakes_the_poller_at_once(tmp_path) -> None:
         await asyncio.sleep(0.05)
     assert sub.current.step == 1
     await sub.stop()
+
+
+async def test_a_failed_rollback_makes_the_next_sync_reload_everything(tmp_path) -> None:
+    steps = rl_steps(3)
+    _publish(tmp_path, steps[:2], base_every=100)
+    engine = RecordingAdapter()
+    sub = Subscriber(Settings(store=str(tmp_path)), engine)
+    await sub.sync()
+    _publish(tmp_path, steps[2:], start=2, base_every=100)
+    swap = engine.swap
+    calls = []
+
+    async def fail_twice(update, staged):  # the swap fails half way, and so does the rollback
+        calls.append(update.version)
+        if len(calls) <= 2:
+            engine.weights[update.names[0]] = update.state[update.names[0]]
+            raise RuntimeError("engine died mid-load")
+        await swap(update, staged)
+
+    engine.swap = fail_twice
+    assert not await sub.sync()
+    st = sub.status()
+    assert "EngineStateUnknownError" in st["last_error"] and st["current_step"] is None
+    assert await sub.sync() and sub.current.step == 2
+    assert set(engine.updates[-1].names) == set(steps[2])  # every tensor, from the base
+    assert sub.status()["last_update_path"][0] == "step-0000000000"
+    await sub.stop()
+    assert_state_equal(engine.weights, steps[2])

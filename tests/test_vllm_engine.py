@@ -17,7 +17,7 @@ import pytest
 from safetensors.torch import load_file
 
 from delta_swap.publisher import Publisher, PublisherConfig
-from examples.server_process import free_port, start_server
+from examples.servers import vllm as vllm_server
 from examples.tiny_model import make_tiny_model, perturb_weights
 from tests.support.rollout_scenarios import (
     Credentials,
@@ -38,17 +38,6 @@ PROMPTS = [
     [42] * 3 + [77, 78, 79, 12],
     list(np.random.default_rng(0).integers(3, 500, size=300)),  # long: exercises the prefix cache
 ]
-
-
-def vllm_argv(model: Path, port: int) -> list[str]:
-    return ["-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
-            "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "1024", "--seed", "0",
-            "--enable-scale-out", "--served-model-name", "tiny"]
-
-
-def vllm_env(tmp: Path) -> dict[str, str]:
-    return {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"), "HF_HUB_OFFLINE": "1",
-            "VLLM_PLUGINS": "delta_swap", "PYTHONUNBUFFERED": "1"}
 
 
 def generate(url: str, prompt: list[int], max_tokens: int = 12, client: httpx.Client | None = None) -> dict:
@@ -82,9 +71,7 @@ def references(models, tmp_path_factory) -> dict[str, list[list[int]]]:
     tmp = tmp_path_factory.mktemp("ref")
     out = {}
     for name in ("A", "B", "D"):
-        port = free_port()
-        env = {**vllm_env(tmp), "VLLM_PLUGINS": ""}
-        server = start_server(vllm_argv(models[name], port), env, tmp / f"ref-{name}.log", port)
+        server = vllm_server.start(models[name], tmp, plugin=False, served_name="tiny", log_name=f"ref-{name}.log")
         try:
             generate(server.url, list(range(3, 19)))  # warm-up of >= 8 tokens (see plugin.register: AMX)
             out[name] = greedy(server.url)
@@ -106,11 +93,8 @@ def live(models, references, creds, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("live")
     store = tmp / "store"
     publish_dirs(store, [(0, models["A"])], creds)
-    port = free_port()
-    env = {**vllm_env(tmp), **creds.env(), "DELTA_SWAP_STORE": store.as_uri(), "DELTA_SWAP_POLL_INTERVAL": "0.2",
-           "DELTA_SWAP_DRAIN": "wait"}
-    argv = vllm_argv(models["A"], port) + ["--weight-transfer-config", '{"backend": "delta_swap"}']
-    server = start_server(argv, env, tmp / "live.log", port)
+    settings = {"store": store.as_uri(), "poll_interval": 0.2, "drain": "wait", **creds.settings()}
+    server = vllm_server.start(models["A"], tmp, settings=settings, served_name="tiny", log_name="live.log")
     try:
         wait_for(server.url, lambda s: s["current_step"] == 0)
         yield server, store

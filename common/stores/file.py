@@ -49,6 +49,8 @@ class FileStore(Store):
             # O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused just below.
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
+            if not self.root.is_dir():  # an unmounted share or a deleted folder is not an empty store
+                raise StoreError(f"the store folder {self.public_url} is missing") from None
             raise NotFoundError(f"{key} not found in {self.public_url}") from None
         except OSError as exc:
             raise StoreError(f"cannot read {key} from {self.public_url}: {exc.strerror}") from None

@@ -39,9 +39,9 @@ class Credentials:
         key, pub = generate_keypair(folder / "trainer.key")
         return cls(key, pub, "test-admin-token-" + folder.name)
 
-    def env(self) -> dict[str, str]:
-        """What a server is started with."""
-        return {"DELTA_SWAP_TRUSTED_KEY": str(self.trusted_key), "DELTA_SWAP_ADMIN_TOKEN": self.admin_token}
+    def settings(self) -> dict[str, str]:
+        """The delta-swap settings a server is started with."""
+        return {"trusted_key": str(self.trusted_key), "admin_token": self.admin_token}
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.admin_token}"}

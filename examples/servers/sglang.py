@@ -1,0 +1,58 @@
+"""SGLang 0.5.23 on CPU with the ``delta_swap`` plugin, as a child process.
+
+SGLang runs in its own cached environment (``scripts/sglang_env.sh``: CPU torch, SGLang without its
+CUDA dependencies, and a CPU test shim standing in for ``sgl_kernel``; docs/SGLANG.md explains it).
+The plugin is enabled by its flags: every setting is ``--delta-swap-<name>``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Mapping, Sequence
+from functools import cache
+from pathlib import Path
+
+from delta_swap.settings import Settings
+
+from .process import Server, free_port, start_server
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@cache
+def python() -> str:
+    """The SGLang environment's interpreter (built once by scripts/sglang_env.sh, then cached)."""
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "sglang_env.sh")], check=True, capture_output=True,
+                         text=True, timeout=3600)
+    return str(Path(out.stdout.strip().splitlines()[-1]) / "bin" / "python")
+
+
+def command(model: Path, port: int, *, served_name: str = "model", settings: Mapping[str, object] | None = None,
+            extra: Sequence[str] = ()) -> list[str]:
+    """Arguments after ``python`` that start SGLang's server on ``model`` (plugin flags from ``settings``)."""
+    argv = ["-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1", "--port", str(port),
+            "--served-model-name", served_name, "--device", "cpu", "--attention-backend", "torch_native",
+            "--max-total-tokens", "4096", "--random-seed", "0"]
+    for name, value in (settings or {}).items():
+        argv += [Settings.flag_name(name), str(value)]
+    return argv + list(extra)
+
+
+def environment(*, plugin: bool = True, shim_log: Path | None = None) -> dict[str, str]:
+    """What SGLang needs on this machine; ``shim_log`` records any call of the sgl_kernel test shim."""
+    env = {"SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+           "SGLANG_PLUGINS": "delta_swap" if plugin else "none"}  # an allowlist naming no plugin: plain SGLang
+    if shim_log is not None:
+        env["DELTA_SWAP_SGL_KERNEL_SHIM_LOG"] = str(shim_log)
+    return env
+
+
+def start(model: Path, workdir: Path, *, settings: Mapping[str, object] | None = None, plugin: bool = True,
+          served_name: str = "model", extra: Sequence[str] = (), env: Mapping[str, str] | None = None,
+          shim_log: Path | None = None, log_name: str = "sglang.log", timeout_s: float = 300) -> Server:
+    """Start SGLang on ``model`` and wait until it answers ``/health``."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    full_env = {**environment(plugin=plugin, shim_log=shim_log), **(env or {})}
+    argv = command(model, port, served_name=served_name, settings=settings if plugin else None, extra=extra)
+    return start_server(argv, full_env, workdir / log_name, port, timeout_s=timeout_s, python=python())
