@@ -40,6 +40,13 @@ def subscriber_of(app: Any) -> Subscriber | None:
     return getattr(app.state, STATE_ATTR, None)
 
 
+def served_version(state: Any) -> str | None:
+    """The snapshot the server behind an app's state serves now (None before the first sync)."""
+    subscriber = getattr(state, STATE_ATTR, None)
+    current = subscriber.current if subscriber is not None else None
+    return current.snapshot_id if current is not None else None
+
+
 def mount_admin_routes(app: FastAPI, not_configured: str) -> None:
     """Add the routes to ``app`` once; ``not_configured`` tells operators how to enable the plugin."""
     if not any(getattr(r, "path", "").startswith("/delta_swap/") for r in app.routes):

@@ -272,17 +272,11 @@ def _decode_section(coder: int, stored: memoryview, raw_len: int) -> np.ndarray:
 
 def decode_full(payload: bytes | memoryview, dtype: str, nbytes: int) -> np.ndarray:
     """Decode a full payload that must rebuild exactly ``nbytes`` bytes of ``dtype``."""
-    view = memoryview(payload)
-    header = _read_header(view)
-    width = dtype_size(dtype)
-    _check_shape(header, width, nbytes)
-    if header.method != METHOD_FULL:
+    out = np.empty(nbytes, dtype=np.uint8)
+    if _read_header(memoryview(payload)).method != METHOD_FULL:
         raise CorruptDataError("expected a full payload, got a delta")
-    n = header.n_elements
-    if header.n_changed != n or header.transform != TRANSFORM_NONE or header.n_sections != width:
-        raise CorruptDataError("inconsistent full payload header")
-    sections = _read_sections(view, header, {(KIND_PLANE, j): n for j in range(width)})
-    return _join_planes([sections[(KIND_PLANE, j)] for j in range(width)], width).view(np.uint8)
+    decode_into(out, payload, dtype)
+    return out
 
 
 def decode_tensor_delta(old: np.ndarray | None, payload: bytes | memoryview, dtype: str) -> np.ndarray:
@@ -298,19 +292,41 @@ def decode_tensor_delta(old: np.ndarray | None, payload: bytes | memoryview, dty
 
 
 def decode(old: np.ndarray | None, payload: bytes | memoryview, dtype: str, nbytes: int) -> np.ndarray:
-    """Rebuild exactly ``nbytes`` of ``dtype`` from a full payload, or a delta applied to ``old``."""
-    view = memoryview(payload)
-    header = _read_header(view)
-    if header.method == METHOD_FULL:
-        return decode_full(view, dtype, nbytes)
+    """Rebuild exactly ``nbytes`` of ``dtype`` from a full payload, or a delta applied to ``old``
+    (``old`` is not modified)."""
+    if _read_header(memoryview(payload)).method == METHOD_FULL:
+        return decode_full(payload, dtype, nbytes)
     if old is None:
         raise CorruptDataError("delta payload but no previous tensor to apply it to")
     old = _as_bytes(old, "old")
-    width = dtype_size(dtype)
-    _check_shape(header, width, nbytes)
     if old.size != nbytes:
         raise CorruptDataError(f"previous tensor has {old.size} bytes, delta expects {nbytes}")
+    out = old.copy()
+    decode_into(out, payload, dtype)
+    return out
+
+
+def decode_into(out: np.ndarray, payload: bytes | memoryview, dtype: str) -> None:
+    """Rebuild a tensor in place: ``out`` (raw bytes of ``dtype``) holds the previous tensor for a
+    delta payload (anything for a full one) and receives the new bytes.
+
+    Every count, length and position is validated before ``out`` is touched, so a crafted payload
+    raises CorruptDataError and leaves ``out`` as it was.
+    """
+    out = _as_bytes(out, "out")
+    view = memoryview(payload)
+    header = _read_header(view)
+    width = dtype_size(dtype)
+    _check_shape(header, width, out.size)
     n, k = header.n_elements, header.n_changed
+    if header.method == METHOD_FULL:
+        if k != n or header.transform != TRANSFORM_NONE or header.n_sections != width:
+            raise CorruptDataError("inconsistent full payload header")
+        sections = _read_sections(view, header, {(KIND_PLANE, j): n for j in range(width)})
+        columns = out.reshape(-1, width)
+        for j in range(width):
+            columns[:, j] = sections[(KIND_PLANE, j)]
+        return
     if k > n:
         raise CorruptDataError(f"delta claims {k} changed elements out of {n}")
     expected_transform = TRANSFORM_ORDERED if dtype in ORDERED_FLOAT_DTYPES else TRANSFORM_XOR
@@ -327,17 +343,16 @@ def decode(old: np.ndarray | None, payload: bytes | memoryview, dtype: str, nbyt
     expected.update({(KIND_PLANE, j): k for j in range(width)})
     sections = _read_sections(view, header, expected)
     changed = _decode_positions(sections, n, k, gap_width)
-    values = _join_planes([sections[(KIND_PLANE, j)] for j in range(width)], width) if k else None
-    out = old.copy()
-    if k:
-        elems = _elements(out, width)
-        before = elems[changed]
-        if header.transform == TRANSFORM_ORDERED:
-            bits = 8 * width
-            elems[changed] = _ordered_unkey(_ordered_key(before, bits) + _unzigzag(values), bits)
-        else:
-            elems[changed] = before ^ values
-    return out
+    if not k:
+        return
+    values = _join_planes([sections[(KIND_PLANE, j)] for j in range(width)], width)
+    elems = _elements(out, width)
+    before = elems[changed]
+    if header.transform == TRANSFORM_ORDERED:
+        bits = 8 * width
+        elems[changed] = _ordered_unkey(_ordered_key(before, bits) + _unzigzag(values), bits)
+    else:
+        elems[changed] = before ^ values
 
 
 def _check_shape(header: _Header, width: int, nbytes: int) -> None:

@@ -1,8 +1,9 @@
 """The contract between delta-swap's core and an inference engine (vLLM, SGLang, a third one).
 
 The core does everything engine-agnostic: it follows the store, fetches, decodes and verifies
-each snapshot, checks it against the served model, and then drives the adapter through one
-update (:func:`delta_swap.swap.apply_update`)::
+each snapshot (into ``adapter.destination()`` when the adapter offers its spare weights), checks
+it against the served model, and then drives the adapter through one update
+(:func:`delta_swap.swap.apply_update`)::
 
     staged = await adapter.stage(update)        # the engine still generates
     await adapter.pause(drain, timeout_s)       # stop generating, per the drain policy
@@ -36,7 +37,7 @@ from typing import Any, ClassVar
 from .errors import EngineError
 from .served_model import ServedModel
 from .settings import DrainPolicy
-from .tensors import StateDict
+from .tensors import StateDict, TensorSpecs
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,14 @@ class EngineAdapter(ABC):
     name: ClassVar[str] = "engine"
     #: The model the engine serves: every snapshot is checked against it before it is fetched.
     served: ServedModel = ServedModel(None, {})
+
+    async def destination(self, specs: TensorSpecs) -> StateDict | None:
+        """Writable host tensors (by checkpoint name, of these ``specs``) that the next update
+        should be decoded into: the engine's spare weights, when it can switch to them by reference
+        (see :mod:`delta_swap.arena`). The core then keeps no copy of its own. None (the default):
+        the core decodes into buffers it allocates.
+        """
+        return None
 
     async def stage(self, update: WeightUpdate) -> Any:
         """Prepare ``update`` while the engine still generates (copy it where the engine can
@@ -103,6 +112,9 @@ class EngineAdapter(ABC):
     async def describe(self) -> dict[str, Any]:
         """Engine details for the status route (the core adds ``engine`` and ``weight_version``)."""
         return {}
+
+    async def close(self) -> None:
+        """Release what the adapter holds (arenas, files) when the server stops."""
 
     def engine_error(self, exc: Exception) -> EngineError:
         """Translate one of the engine's exceptions into delta-swap's error type (override to

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from . import codec, store_keys
 from .chain import ChainReader
-from .checksum import checksum, verify, verify_blob
+from .checksum import checksum, verify_blob
 from .errors import ChainError, ChecksumMismatchError, CorruptDataError, IncompatibleSnapshotError
-from .manifest import BlobEntry, Encoding, Manifest, SnapshotKind
+from .manifest import BlobEntry, Encoding, Manifest, SnapshotKind, TensorEntry
 from .stores import Store
 from .tensors import HostTensor, StateDict
 
@@ -41,54 +43,88 @@ async def fetch_shards(store: Store, manifest: Manifest, *, concurrency: int = 4
     return dict(results)
 
 
+def decode_threads() -> int:
+    """Threads that decode and verify tensors: every core this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def apply_snapshot(
-    prev: StateDict | None, manifest: Manifest, shards: dict[str, np.ndarray], timings: dict[str, float] | None = None
+    prev: StateDict | None,
+    manifest: Manifest,
+    shards: dict[str, np.ndarray],
+    timings: dict[str, float] | None = None,
+    *,
+    out: StateDict | None = None,
+    threads: int | None = None,
 ) -> StateDict:
     """The state after ``manifest``, given the state it was published against.
 
-    Pure and all-or-nothing: ``prev`` is never modified, and any corrupt payload or checksum
-    mismatch raises before a result exists. Unchanged tensors share ``prev``'s buffers.
-    Seconds spent decoding and verifying are added to ``timings["decode"]`` / ``["verify"]``.
+    Without ``out`` it is pure and all-or-nothing: ``prev`` is never modified, new tensors get
+    new buffers and unchanged ones share ``prev``'s, and any corrupt payload or checksum mismatch
+    raises before a result exists. With ``out`` (writable tensors of every name, such as a spare
+    weight arena; it may be ``prev`` itself, and deltas then apply in place) every tensor is
+    written into ``out`` and only ``out`` is modified; a failure leaves it partly written.
+
+    Tensors are decoded, then verified, on ``threads`` threads (default: every core). Wall-clock
+    seconds are added to ``timings["decode"]`` and ``["verify"]``.
     """
     timings = {} if timings is None else timings
-    decode_s = verify_s = 0.0
     if manifest.kind is SnapshotKind.DELTA and prev is None:
         raise ChainError(f"delta {manifest.snapshot_id} needs the state of {manifest.prev_snapshot_id}")
-    state: StateDict = {}
     for t in manifest.tensors:
         old = prev.get(t.name) if prev is not None else None
-        if t.encoding in (Encoding.SAME, Encoding.DELTA):
-            if old is None or old.dtype != t.dtype or old.shape != t.shape:
-                raise ChainError(f"{manifest.snapshot_id}: tensor {t.name} has no matching previous tensor")
+        if t.encoding in (Encoding.SAME, Encoding.DELTA) and (old is None or (old.dtype, old.shape) != (t.dtype, t.shape)):
+            raise ChainError(f"{manifest.snapshot_id}: tensor {t.name} has no matching previous tensor")
+        if out is not None and (t.name not in out or (out[t.name].dtype, out[t.name].shape) != (t.dtype, t.shape)):
+            raise ChainError(f"{manifest.snapshot_id}: tensor {t.name} has no place to be written")
+
+    def rebuild_one(t: TensorEntry) -> HostTensor:
+        old = prev.get(t.name) if prev is not None else None
+        dest = None if out is None else out[t.name]
         if t.encoding is Encoding.SAME:
             assert old is not None
-            t0 = time.perf_counter()
-            unchanged = checksum(old.data) == t.checksum
-            verify_s += time.perf_counter() - t0
-            if not unchanged:
-                raise ChecksumMismatchError(f"{manifest.snapshot_id}: unchanged tensor {t.name} differs from the publisher's")
-            state[t.name] = old
-            continue
+            if dest is None or dest.data is old.data:
+                return old
+            dest.data[:] = old.data
+            return dest
         assert t.shard is not None
         payload = shards[t.shard][t.offset : t.offset + t.length]
-        t0 = time.perf_counter()
         if t.encoding is Encoding.RAW:
-            data = payload
-        else:
-            try:
-                data = codec.decode(old.data if old is not None else None, payload, t.dtype, t.nbytes)
-            except CorruptDataError as exc:
-                raise CorruptDataError(f"{manifest.snapshot_id}: tensor {t.name}: {exc}") from None
-            if t.encoding is Encoding.DELTA and codec.payload_method(payload) is not Encoding.DELTA:
-                raise CorruptDataError(f"{manifest.snapshot_id}: tensor {t.name} is marked delta but is not")
+            if dest is None:
+                return HostTensor(t.dtype, t.shape, payload)
+            dest.data[:] = payload
+            return dest
+        try:
+            method = codec.payload_method(payload)
+            if t.encoding is Encoding.DELTA and method is not Encoding.DELTA:
+                raise CorruptDataError("marked delta but is not")
+            if dest is None:
+                return HostTensor(t.dtype, t.shape, codec.decode(old.data if old else None, payload, t.dtype, t.nbytes))
+            if method is Encoding.DELTA and not np.shares_memory(dest.data, old.data):
+                dest.data[:] = old.data
+            codec.decode_into(dest.data, payload, t.dtype)
+            return dest
+        except CorruptDataError as exc:
+            raise CorruptDataError(f"{manifest.snapshot_id}: tensor {t.name}: {exc}") from None
+
+    def verify_one(item: tuple[TensorEntry, HostTensor]) -> None:
+        t, tensor = item
+        if checksum(tensor.data) != t.checksum:
+            what = "unchanged tensor" if t.encoding is Encoding.SAME else "tensor"
+            raise ChecksumMismatchError(f"{manifest.snapshot_id}: {what} {t.name} differs from the publisher's checksum")
+
+    with ThreadPoolExecutor(threads or decode_threads(), thread_name_prefix="delta-swap-decode") as pool:
+        t0 = time.perf_counter()
+        rebuilt = list(pool.map(rebuild_one, manifest.tensors))
         t1 = time.perf_counter()
-        verify(data, t.checksum, f"tensor {t.name} of {manifest.snapshot_id}")
-        decode_s += t1 - t0
-        verify_s += time.perf_counter() - t1
-        state[t.name] = HostTensor(t.dtype, t.shape, data)
-    timings["decode"] = timings.get("decode", 0.0) + decode_s
-    timings["verify"] = timings.get("verify", 0.0) + verify_s
-    return state
+        list(pool.map(verify_one, zip(manifest.tensors, rebuilt)))
+        t2 = time.perf_counter()
+    timings["decode"] = timings.get("decode", 0.0) + t1 - t0
+    timings["verify"] = timings.get("verify", 0.0) + t2 - t1
+    return {t.name: tensor for t, tensor in zip(manifest.tensors, rebuilt)}
 
 
 async def rebuild(
@@ -118,11 +154,12 @@ async def replay(
     timings: dict[str, float] | None = None,
     progress: Progress | None = None,
     max_model_bytes: int | None = None,
+    out: StateDict | None = None,
 ) -> StateDict:
     """Apply ``path`` (oldest first) to ``state`` (None when the path starts at a base): fetch
-    each snapshot's shards, then decode and verify off the event loop. Nothing is fetched when a
-    snapshot of the path holds more than ``max_model_bytes``. Seconds spent fetching, decoding and
-    verifying are added to ``timings``."""
+    each snapshot's shards, then decode and verify off the event loop (into ``out``, if given:
+    see :func:`apply_snapshot`). Nothing is fetched when a snapshot of the path holds more than
+    ``max_model_bytes``. Seconds spent fetching, decoding and verifying are added to ``timings``."""
     timings = {} if timings is None else timings
     for manifest in path:
         if max_model_bytes is not None and manifest.model_bytes > max_model_bytes:
@@ -134,7 +171,7 @@ async def replay(
         shards = await fetch_shards(reader.store, manifest, concurrency=concurrency, progress=progress,
                                     authenticated=authenticated)
         timings["fetch"] = timings.get("fetch", 0.0) + time.perf_counter() - t0
-        state = await asyncio.to_thread(apply_snapshot, state, manifest, shards, timings)
+        state = await asyncio.to_thread(apply_snapshot, state, manifest, shards, timings, out=out)
     if state is None:
         raise ChainError("nothing to replay")
     return state

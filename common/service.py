@@ -2,7 +2,9 @@
 
 An engine plugin does three things, at the points its engine offers:
 
-* :func:`mount_admin_routes` when it can add routes to the server's app;
+* :func:`mount` before the server's app starts: the admin routes, and the middleware that puts
+  weight versions on the OpenAI-compatible completion routes (the plugin also feeds it the
+  engine's spans, :func:`delta_swap.version_tags.record`);
 * :func:`start` once the engine is up, with the settings and the engine adapter: it builds the
   subscriber, attaches it to the app state and starts following the store on the running loop;
 * :func:`stop` when the server shuts down.
@@ -13,13 +15,23 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .admin_routes import mount_admin_routes, set_subscriber, subscriber_of
+from .admin_routes import mount_admin_routes, served_version, set_subscriber, subscriber_of
 from .engine_adapter import EngineAdapter
 from .settings import Settings
+from .version_tags import WeightVersionMiddleware
 
 log = logging.getLogger("delta_swap.service")
 
-__all__ = ["mount_admin_routes", "start", "stop"]
+__all__ = ["mount", "served_version", "start", "stop"]
+
+
+def mount(app: Any, not_configured: str) -> None:
+    """Add the admin routes and the weight-version middleware to ``app`` (once, before it starts);
+    ``not_configured`` tells operators how to enable following a store."""
+    if any(getattr(r, "path", "").startswith("/delta_swap/") for r in app.routes):
+        return
+    mount_admin_routes(app, not_configured)
+    app.add_middleware(WeightVersionMiddleware, current_version=lambda: served_version(app.state))
 
 
 def start(app_state: Any, settings: Settings, adapter: EngineAdapter | None) -> Any:

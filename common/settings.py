@@ -48,9 +48,16 @@ class Settings:
     poll_interval: float = 2.0
     """Seconds between polls of the store's head pointer (a trainer's notify call polls at once)."""
 
-    drain: DrainPolicy = DrainPolicy.WAIT
-    """In-flight requests during a swap: wait (finish them first, hold new ones), keep (pause them
-    in place; they continue on the new weights with their KV recomputed), abort."""
+    drain: DrainPolicy = DrainPolicy.KEEP
+    """In-flight requests during a swap: keep (freeze them in place; they continue on the new
+    weights, and spans tag which snapshot made each token), wait (finish them first, holding new
+    ones: the pause lasts as long as the longest request), abort (end them)."""
+
+    recompute_kv: bool = False
+    """In keep mode, recompute the KV cache of requests kept in place on the new weights (exact,
+    but costs a prefill of every running request: cheap on GPUs, slow on CPUs). Off, they continue
+    on the KV they have, as in-flight-update RL trainers do; new requests never reuse KV computed
+    with other weights either way."""
 
     drain_timeout: float = 30.0
     """In wait mode, abort the requests still running after this many seconds."""

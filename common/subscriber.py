@@ -101,6 +101,7 @@ class Subscriber:
             self._task = None
         if self._store is not None:
             await self._store.close()
+        await self.adapter.close()
 
     def wake(self) -> None:
         """Poll now instead of at the next interval (a push notification)."""
@@ -203,9 +204,10 @@ class Subscriber:
         timings: dict[str, float] = {"fetch": 0.0, "decode": 0.0, "verify": 0.0}
         self._phase = "fetch"
         start = None if path[0].kind is SnapshotKind.BASE else self._state
+        out = await self.adapter.destination(target.specs)  # the engine's spare weights, if it has them
         state = await replay(self.reader, path, start, concurrency=self.settings.fetch_concurrency,
                              timings=timings, progress=self._metrics.bytes_fetched.inc,
-                             max_model_bytes=self._max_model_bytes())
+                             max_model_bytes=self._max_model_bytes(), out=out)
         update = WeightUpdate(version=target.snapshot_id, state=state, names=self._changed(target),
                               previous=self._state, checksums={t.name: t.checksum for t in target.tensors})
         self._staged_id = target.snapshot_id

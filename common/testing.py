@@ -2,7 +2,9 @@
 
 :class:`RecordingAdapter` is a complete :class:`~delta_swap.engine_adapter.EngineAdapter` with no
 engine behind it: it keeps the tensors it is given as an engine would, records every call, and
-can be told to fail the next swap. Run a real :class:`~delta_swap.subscriber.Subscriber` against
+can be told to fail the next swap. With ``arena_dir`` it works as an engine that switches its
+weights by reference: updates are decoded into its spare :class:`~delta_swap.arena.Arena` and a
+swap only flips which arena is live. Run a real :class:`~delta_swap.subscriber.Subscriber` against
 it to test publishing code, or read it as the smallest working adapter::
 
     adapter = RecordingAdapter()
@@ -15,10 +17,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from .arena import ArenaLayout, ArenaPair
 from .engine_adapter import EngineAdapter, WeightUpdate
 from .errors import EngineError
 from .settings import DrainPolicy
-from .tensors import HostTensor
+from .tensors import HostTensor, StateDict, TensorSpecs
 
 
 class RecordingAdapter(EngineAdapter):
@@ -27,13 +30,29 @@ class RecordingAdapter(EngineAdapter):
 
     name = "recording"
 
-    def __init__(self) -> None:
+    def __init__(self, arena_dir: str | None = None) -> None:
         self.weights: dict[str, HostTensor] = {}
         self.version: str | None = None
         self.updates: list[WeightUpdate] = []
         self.calls: list[str] = []
         self.paused = False
         self.fail_next_swap = False
+        self.arena_dir = arena_dir
+        self.arenas: ArenaPair | None = None
+
+    async def destination(self, specs: TensorSpecs) -> StateDict | None:
+        if self.arena_dir is None:
+            return None
+        if self.arenas is None:  # one slot per tensor: this "engine" fuses nothing
+            layout = ArenaLayout.build([(n, d, s) for n, (d, s) in sorted(specs.items())],
+                                       {n: (n, 0, d, s) for n, (d, s) in specs.items()})
+            self.arenas = ArenaPair(self.arena_dir, layout)
+        return self.arenas.spare_tensors()
+
+    async def stage(self, update: WeightUpdate) -> object:
+        """With arenas: the arena that holds the update (the spare one, or on a rollback the live
+        one); the swap makes it live."""
+        return None if self.arenas is None else self.arenas.holding(update.state)
 
     async def pause(self, drain: DrainPolicy, timeout_s: float) -> None:
         self.calls.append(f"pause:{drain.value}")
@@ -42,7 +61,17 @@ class RecordingAdapter(EngineAdapter):
     async def swap(self, update: WeightUpdate, staged: Any) -> None:
         assert self.paused, "weights may only move while the engine is paused"
         self.calls.append(f"swap:{update.version}")
-        for name in update.names:
+        if staged is not None:  # switch by reference: every tensor now lives in that arena
+            assert self.arenas is not None
+            if self.fail_next_swap:
+                self.fail_next_swap = False
+                raise EngineError("engine refused the update")
+            self.arenas.live = staged
+            self.weights = dict(update.state)
+            names: tuple[str, ...] = ()
+        else:
+            names = update.names
+        for name in names:
             self.weights[name] = update.state[name]
             if self.fail_next_swap:
                 self.fail_next_swap = False
@@ -57,3 +86,8 @@ class RecordingAdapter(EngineAdapter):
 
     async def weight_version(self) -> str | None:
         return self.version
+
+    async def close(self) -> None:
+        if self.arenas is not None:
+            self.arenas.close()
+            self.arenas = None

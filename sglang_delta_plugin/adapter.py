@@ -1,32 +1,49 @@
 """The SGLang engine adapter: swaps verified updates into a running SGLang through its tokenizer manager.
 
-Staging packs the changed tensors into one shared-memory bucket while SGLang keeps generating.
-The swap runs ``begin_weight_update`` / ``update_weights_from_tensor`` (which flushes the radix
-cache and sets the weight version) / ``end_weight_update``. SGLang's Llama-style
-``load_weights`` takes q/k/v and gate/up one by one, so only changed tensors are sent.
+Two paths, chosen once per server from what the scheduler reports when it starts
+(:mod:`.engine_ops`):
+
+* **arena** (one tensor-parallel rank whose parameters are plain host tensors, as on CPUs without
+  AMX): updates are decoded straight into the spare one of two shared-memory weight arenas laid
+  out like SGLang's parameters, and the swap has delta-swap's custom weight loader point every
+  parameter at it: the pause does not grow with the model;
+* **tensor** (everywhere else): the changed tensors are packed into one shared-memory bucket
+  while SGLang keeps generating and loaded through ``load_weights`` (SGLang's Llama-style loader
+  takes q/k/v and gate/up one by one, so only changed tensors are sent).
+
+Either way the swap runs ``begin_weight_update`` / ``update_weights_from_tensor`` (which flushes
+the radix cache and sets the weight version) / ``end_weight_update``.
 
 Drain policies on SGLang 0.5.23 (its pause modes are ``abort``, ``retract`` and ``in_place``):
 
 * ``wait``: take the tokenizer manager's model-update writer lock, which SGLang's own updates
   use to wait for in-flight requests and to hold new ones; abort what still runs after the
   timeout. Then a ``retract`` pause (nothing left to retract) marks the engine paused.
-* ``keep``: ``retract``: running requests go back to the queue and resume on the new weights
-  with their KV recomputed. (``in_place`` would keep KV computed with the old weights, and its
-  cache flush fails with 400 although the weights changed, so it is never used.)
+* ``keep``: ``in_place``: running requests stay where they are and continue on the new weights
+  with the KV they have (the radix cache is not flushed, which SGLang refuses while requests hold
+  KV; the version in every request's cache salt keeps new requests off old KV). With
+  ``recompute_kv``: ``retract``: they go back to the queue and resume with their KV recomputed.
 * ``abort``: ``abort``, then ``retract`` so the scheduler is paused for the flush too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
+import uuid
+from pathlib import Path
 from typing import Any
 
+from delta_swap.arena import Arena, ArenaLayout, ArenaPair
 from delta_swap.engine_adapter import EngineAdapter, WeightUpdate
 from delta_swap.errors import EngineError
 from delta_swap.served_model import ServedModel
-from delta_swap.settings import DrainPolicy
+from delta_swap.settings import DrainPolicy, Settings
+from delta_swap.tensors import StateDict, TensorSpecs
 
+from .engine_ops import LAYOUT_FILE_ENV, LOADER
 from .staging import Bucket, pack
 
 log = logging.getLogger("sglang_delta_plugin")
@@ -37,31 +54,72 @@ class SglangAdapter(EngineAdapter):
 
     name = "sglang"
 
-    def __init__(self, tokenizer_manager: Any, served: ServedModel, tp_size: int = 1) -> None:
+    def __init__(self, tokenizer_manager: Any, served: ServedModel, settings: Settings | None = None,
+                 tp_size: int = 1) -> None:
         self.tm = tokenizer_manager
         self.served = served
+        self.settings = settings or Settings()
         self.tp_size = tp_size
         self._holds_writer_lock = False
+        self._keep_kv = False
+        #: The two weight arenas, on the arena path (None: the tensor path, or not read yet).
+        self.arenas: ArenaPair | None = None
+        self._described = False
 
     async def weight_version(self) -> str | None:
         return self.tm.config_value("weight_version")
 
-    async def stage(self, update: WeightUpdate) -> Bucket | None:
+    async def describe(self) -> dict[str, Any]:
+        return {"swap_path": "arena" if self.arenas else ("tensor" if self._described else None)}
+
+    async def destination(self, specs: TensorSpecs) -> StateDict | None:
+        if not self._described:
+            self._described = True
+            layout_file = os.environ.get(LAYOUT_FILE_ENV)
+            try:
+                doc = json.loads(Path(layout_file).read_text()) if layout_file else {"layout": None}
+            except (OSError, ValueError):
+                doc = {"layout": None, "reason": "the scheduler wrote no layout"}
+            if doc["layout"]:
+                layout = ArenaLayout.from_json(doc["layout"])
+                try:
+                    self.arenas = await asyncio.to_thread(ArenaPair, self.settings.staging_dir, layout)
+                    log.info("delta_swap: swapping by reference between two %.1f MB weight arenas", layout.nbytes / 1e6)
+                except EngineError as exc:  # e.g. no room in the staging folder: the slower path still works
+                    log.warning("delta_swap: no weight arenas (%s); falling back to the %s path", exc, "tensor")
+            else:
+                log.info("delta_swap: loading changed tensors on each swap (%s)", doc.get("reason"))
+        if self.arenas is None or specs != self.arenas.layout.specs:
+            return None
+        return self.arenas.spare_tensors()
+
+    async def stage(self, update: WeightUpdate) -> Bucket | Arena | None:
+        if self.arenas is not None:
+            arena = self.arenas.holding(update.state)
+            if arena is not None:
+                return arena
+            if self.arenas.live is not None:
+                raise EngineError("sglang: an update outside the weight arenas after the engine moved into them")
         if not update.names:  # same bytes as now (e.g. a step that reverts): only the version moves
             return None
         return await asyncio.to_thread(pack, update.state, sorted(update.names), update.checksums, self.tp_size)
+
+    async def close(self) -> None:
+        if self.arenas is not None:  # the scheduler keeps its mappings until it exits
+            self.arenas.close()
 
     # ------------------------------------------------------------------ drain
 
     async def pause(self, drain: DrainPolicy, timeout_s: float) -> None:
         from sglang.srt.managers.io_struct import PauseGenerationReqInput
 
+        self._keep_kv = drain is DrainPolicy.KEEP and not self.settings.recompute_kv
         try:
             if drain is DrainPolicy.WAIT:
                 await self._acquire_writer(timeout_s)
             elif drain is DrainPolicy.ABORT:
                 await self.tm.pause_generation(PauseGenerationReqInput(mode="abort"))
-            await self.tm.pause_generation(PauseGenerationReqInput(mode="retract"))
+            await self.tm.pause_generation(PauseGenerationReqInput(mode="in_place" if self._keep_kv else "retract"))
         except BaseException:
             await self.resume()
             raise
@@ -99,11 +157,36 @@ class SglangAdapter(EngineAdapter):
 
     # ------------------------------------------------------------------ load
 
-    async def swap(self, update: WeightUpdate, staged: Bucket | None) -> None:
+    async def swap(self, update: WeightUpdate, staged: Bucket | Arena | None) -> None:
         version = update.version or await self.weight_version() or "default"
         if staged is None:
             await self._set_version(version)
-            return
+        elif isinstance(staged, Arena):
+            await self._commit(staged, version)
+        else:
+            await self._update(staged.payloads, "flattened_bucket", version)
+            log.info("delta_swap: loaded %d tensors (%.1f MB) as %s", len(update.names), staged.nbytes / 1e6, version)
+
+    async def _commit(self, arena: Arena, version: str) -> None:
+        """Have the scheduler point every parameter at ``arena`` (delta-swap's custom loader)."""
+        import torch
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        result = Path(self.settings.staging_dir) / f"delta-swap-result-{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
+        op = json.dumps({"op": "commit", "path": str(arena.path), "result": str(result)})
+        try:
+            await self._update([MultiprocessingSerializer.serialize([(op, torch.zeros(1))])], LOADER, version)
+            outcome = json.loads(result.read_text())
+        except (OSError, ValueError) as exc:
+            raise EngineError(f"sglang: the weight loader reported nothing ({exc})") from None
+        finally:
+            result.unlink(missing_ok=True)
+        if not outcome.get("ok"):
+            raise EngineError(f"sglang: switching to the new weights failed: {outcome.get('error')}")
+        assert self.arenas is not None
+        self.arenas.live = arena
+
+    async def _update(self, payloads: list[bytes], load_format: str, version: str) -> None:
         from sglang.srt.managers.io_struct import (
             BeginWeightUpdateReqInput,
             EndWeightUpdateReqInput,
@@ -114,11 +197,10 @@ class SglangAdapter(EngineAdapter):
         if not ok:
             raise EngineError(f"sglang: begin_weight_update refused: {message}")
         try:
-            # flush_cache (the default) drops every KV computed with the old weights.
-            request = UpdateWeightsFromTensorReqInput(
-                serialized_named_tensors=staged.payloads, load_format="flattened_bucket",
-                flush_cache=True, weight_version=version,
-            )
+            # flush_cache drops every KV computed with the old weights (SGLang refuses while requests
+            # kept in place hold KV: then the version salt keeps new requests off it).
+            request = UpdateWeightsFromTensorReqInput(serialized_named_tensors=payloads, load_format=load_format,
+                                                      flush_cache=not self._keep_kv, weight_version=version)
             ok, message = await self.tm.update_weights_from_tensor(request, None)
         finally:
             end_ok, end_message = await self.tm.end_weight_update(EndWeightUpdateReqInput(), None)
@@ -126,7 +208,6 @@ class SglangAdapter(EngineAdapter):
             raise EngineError(f"sglang: update_weights_from_tensor refused: {message}")
         if not end_ok:
             raise EngineError(f"sglang: end_weight_update refused: {end_message}")
-        log.info("delta_swap: loaded %d tensors (%.1f MB) as %s", len(update.names), staged.nbytes / 1e6, version)
 
     async def _set_version(self, version: str) -> None:
         from sglang.srt.managers.io_struct import UpdateWeightVersionReqInput

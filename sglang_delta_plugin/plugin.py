@@ -1,5 +1,7 @@
 """``sglang.srt.plugins`` entry point: SGLang calls :func:`register` in its main, scheduler and
-detokenizer processes; only the main (HTTP server) process needs the hooks."""
+detokenizer processes. The main (HTTP server) process gets the flags, the routes and the
+subscriber; the scheduler process describes its parameters for the weight arenas
+(:mod:`.engine_ops`)."""
 
 from __future__ import annotations
 
@@ -17,20 +19,26 @@ _registered = False
 ADD_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
 FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
 LAUNCH_SERVER = "sglang.srt.entrypoints.http_server.launch_server"
+SCHEDULER_INIT = "sglang.srt.managers.scheduler.Scheduler.__init__"
 
 
 def register() -> None:
     """Add the ``--delta-swap-*`` flags and, in the HTTP server, the routes and the subscriber
     (idempotent)."""
     global _registered
-    if _registered or multiprocessing.parent_process() is not None:
-        return  # already done, or a scheduler/detokenizer child: weights arrive through SGLang's own API
+    if _registered:
+        return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    _registered = True
+    if multiprocessing.parent_process() is not None:  # a scheduler (or detokenizer) child
+        from .engine_ops import describe_after_init
+
+        HookRegistry.register(SCHEDULER_INIT, describe_after_init, HookType.AFTER)
+        return
     HookRegistry.register(ADD_CLI_ARGS, _after_add_cli_args, HookType.AFTER)
     HookRegistry.register(FROM_CLI_ARGS, _around_from_cli_args, HookType.AROUND)
     HookRegistry.register(LAUNCH_SERVER, _around_launch_server, HookType.AROUND)
-    _registered = True
 
 
 def _after_add_cli_args(result: Any, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
@@ -39,7 +47,9 @@ def _after_add_cli_args(result: Any, parser: argparse.ArgumentParser, *args: Any
 
 def _around_from_cli_args(original: Callable, cls: type, args: argparse.Namespace, *rest: Any, **kwargs: Any) -> Any:
     server.remember_args(args)
-    return original(cls, args, *rest, **kwargs)
+    server_args = original(cls, args, *rest, **kwargs)
+    server.enable_engine_ops(server_args)
+    return server_args
 
 
 def _around_launch_server(original: Callable, server_args: Any, *args: Any, **kwargs: Any) -> Any:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from delta_swap import service
@@ -23,11 +25,25 @@ def remember_args(args: argparse.Namespace) -> None:
         _settings = Settings.load(args)
 
 
+def enable_engine_ops(server_args: Any) -> None:
+    """When following a store: register delta-swap's custom weight loader with SGLang and name
+    the file the scheduler describes its parameters in (children inherit the environment)."""
+    from .engine_ops import LAYOUT_FILE_ENV, LOADER
+
+    settings = _settings or Settings.load()
+    if not settings.store:
+        return
+    loaders = list(getattr(server_args, "custom_weight_loader", None) or [])
+    if LOADER not in loaders:
+        server_args.custom_weight_loader = [*loaders, LOADER]
+    os.environ[LAYOUT_FILE_ENV] = str(Path(settings.staging_dir) / f"delta-swap-layout-{os.getpid()}.json")
+
+
 def install(app: Any, server_args: Any) -> None:
     """Mount ``/delta_swap/*`` on ``app`` and, when a store is configured, follow it while the
     app runs."""
     settings = _settings or Settings.load()
-    service.mount_admin_routes(app, f"pass {Settings.flag_name('store')} URL")
+    service.mount(app, f"pass {Settings.flag_name('store')} URL")
     if not settings.store:
         service.start(app.state, settings, None)
         return
@@ -38,7 +54,7 @@ def install(app: Any, server_args: Any) -> None:
     @asynccontextmanager
     async def lifespan(the_app: Any):
         async with original(the_app) as state:
-            service.start(the_app.state, settings, await _adapter(settings))
+            service.start(the_app.state, settings, await _adapter(settings, the_app.state))
             try:
                 yield state
             finally:
@@ -47,15 +63,18 @@ def install(app: Any, server_args: Any) -> None:
     app.router.lifespan_context = lifespan
 
 
-async def _adapter(settings: Settings) -> Any:
+async def _adapter(settings: Settings, state: Any) -> Any:
     from sglang.srt.entrypoints.http_server import get_global_state
     from sglang.srt.runtime_context import get_parallel
 
     from .adapter import SglangAdapter
     from .staging import served_model
+    from .versions import instrument
 
     if get_parallel().dp_size != 1:
         raise ConfigError("delta_swap supports --dp-size 1 (SGLang's tensor weight update does too)")
     tokenizer_manager = get_global_state().tokenizer_manager
+    # Weight-version spans for the OpenAI-compatible routes, and version-salted radix caching.
+    instrument(tokenizer_manager, lambda: service.served_version(state))
     served = await asyncio.to_thread(served_model, tokenizer_manager.model_path)
-    return SglangAdapter(tokenizer_manager, served, tp_size=get_parallel().tp_size)
+    return SglangAdapter(tokenizer_manager, served, settings, tp_size=get_parallel().tp_size)

@@ -32,7 +32,7 @@ def _publish(root, steps, start=0):
 
 async def _app(store, **settings) -> tuple[FastAPI, object]:
     app = FastAPI()
-    service.mount_admin_routes(app, "set DELTA_SWAP_STORE")
+    service.mount(app, "set DELTA_SWAP_STORE")
     sub = service.start(app.state, Settings(store=str(store), poll_interval=3600, **settings), RecordingAdapter())
     await sub.sync()
     return app, sub

@@ -18,6 +18,7 @@ def test_flags_then_environment_then_defaults() -> None:
     settings = Settings.load({"delta_swap_drain": "abort", "delta_swap_drain_timeout": None}, env)
     assert settings == Settings(store="s3://b/p", poll_interval=0.5, drain=DrainPolicy.ABORT, drain_timeout=30.0,
                                 fetch_concurrency=9, replay_cost_ratio=2.5)
+    assert Settings.load(None, {"DELTA_SWAP_RECOMPUTE_KV": "yes"}).recompute_kv is True
     assert Settings.load(None, {}) == Settings()
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,6 +28,7 @@ from tests.support.rollout_scenarios import (
     Credentials,
     bad_snapshots_never_reach_the_model,
     drop_snapshot,
+    openai_routes_tag_the_weight_version,
     publish_dirs,
     stage_tampered,
     status,
@@ -79,6 +80,22 @@ def generate_raw(url: str, prompt: list[int], max_tokens: int = 12, client: http
     r = (client or httpx).post(f"{url}/generate", json=body, timeout=300)
     r.raise_for_status()
     return r.json()
+
+
+def generate_streamed(url: str, prompt: list[int], max_tokens: int, started: threading.Event) -> dict:
+    """Like generate_raw, streamed: ``started`` is set once the first tokens arrived; returns the
+    final chunk (cumulative output ids, meta_info with the weight-version spans)."""
+    body = {"input_ids": [int(t) for t in prompt], "stream": True,
+            "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}}
+    last: dict = {}
+    with httpx.stream("POST", f"{url}/generate", json=body, timeout=300) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                last = json.loads(line[6:])
+                if last.get("output_ids"):
+                    started.set()
+    return last
 
 
 def generate(url: str, prompt: list[int], max_tokens: int = 12, client: httpx.Client | None = None) -> dict:
@@ -165,7 +182,7 @@ def test_the_plugin_adds_its_flags_to_sglangs_parser(sglang_python, shim_log) ->
     for flag in ("--delta-swap-store", "--delta-swap-source", "--delta-swap-poll-interval", "--delta-swap-drain",
                  "--delta-swap-drain-timeout", "--delta-swap-fetch-concurrency", "--delta-swap-replay-cost-ratio",
                  "--delta-swap-staging-dir", "--delta-swap-trusted-key", "--delta-swap-admin-token",
-                 "--delta-swap-max-model-bytes", "--delta-swap-max-step-jump"):
+                 "--delta-swap-max-model-bytes", "--delta-swap-max-step-jump", "--delta-swap-recompute-kv"):
         assert flag in out.stdout
 
 
@@ -226,6 +243,13 @@ def test_swap_matches_a_fresh_server_with_no_stale_radix_cache(live, models, ref
     assert any(line.startswith("delta_swap_current_step{") and line.endswith(" 1.0") for line in metrics.splitlines())
 
 
+def test_the_openai_routes_report_the_weight_version(live) -> None:
+    server, _ = live
+    st = status(server.url)
+    assert st["swap_path"] == "arena"  # SGLang packs CPU weights only on AMX, which CI machines lack
+    openai_routes_tag_the_weight_version(server.url, "tiny", st["current_snapshot_id"])
+
+
 def test_a_chain_of_deltas_is_applied_in_order(live, models, references, creds) -> None:
     server, store = live
     publish_dirs(store, [(2, models["C"]), (3, models["D"])], creds)
@@ -282,12 +306,15 @@ def test_resync_reloads_the_base_and_replays_the_chain(live, references, creds) 
 
 def _swap_during_requests(url: str, store: Path, step: int, model: Path, creds: Credentials | None, *, n: int = 3,
                           tokens: int = LONG):
-    """Start ``n`` long requests, publish ``step`` while they run, return their raw outputs."""
+    """Start ``n`` long requests, publish ``step`` once each has produced tokens, return their final
+    outputs."""
+    started = [threading.Event() for _ in range(n)]
     with ThreadPoolExecutor(n) as pool:
         # Prompts sharing no prefix with PROMPTS: KV that the radix cache keeps from these long runs
         # was computed in other batch shapes, which moves this chaotic tiny model's logits a little.
-        futures = [pool.submit(generate_raw, url, [2, 3 + i, 11, 13], tokens) for i in range(n)]
-        time.sleep(0.3)
+        futures = [pool.submit(generate_streamed, url, [2, 3 + i, 11, 13], tokens, started[i]) for i in range(n)]
+        for event in started:
+            assert event.wait(120), "a long request produced no token"
         publish_dirs(store, [(step, model)], creds)
         httpx.post(f"{url}/delta_swap/notify", headers=creds.headers() if creds else {}, timeout=30).raise_for_status()
         results = [f.result() for f in futures]

@@ -37,7 +37,7 @@ async def test_follows_deltas_and_hands_over_only_changed_tensors(tmp_path) -> N
     _publish(tmp_path, steps[2:4], start=2, base_every=100)
     assert await sub.sync() and sub.current.step == 3
     assert engine.updates[1].names  # deltas replayed from step 1
-    assert engine.version == "step-0000000003" and engine.calls[-3:] == ["pause:wait", "swap:step-0000000003", "resume"]
+    assert engine.version == "step-0000000003" and engine.calls[-3:] == ["pause:keep", "swap:step-0000000003", "resume"]
     assert not await sub.sync()  # nothing new
     status = sub.status()
     assert status["current_snapshot_id"] == "step-0000000003" and status["staleness_steps"] == 0
@@ -188,3 +188,31 @@ async def test_a_failed_rollback_makes_the_next_sync_reload_everything(tmp_path)
     assert sub.status()["last_update_path"][0] == "step-0000000000"
     await sub.stop()
     assert_state_equal(engine.weights, steps[2])
+
+
+async def test_an_engine_with_weight_arenas_gets_updates_decoded_into_its_spare_copy(tmp_path) -> None:
+    """An adapter offering a destination (its spare arena) gets every update decoded there, the
+    swap only flips arenas, and the subscriber keeps no copy of its own; rollbacks flip back."""
+    steps = rl_steps(6)
+    store = tmp_path / "store"
+    _publish(store, steps[:2], base_every=100)
+    engine = RecordingAdapter(arena_dir=str(tmp_path))
+    sub = Subscriber(Settings(store=str(store)), engine)
+    assert await sub.sync() and sub.current.step == 1
+    first = engine.arenas.live
+    assert first is not None and all(first.holds(t.data) for t in sub._state.values())
+    _publish(store, steps[2:5], start=2, base_every=100)
+    assert await sub.sync() and sub.current.step == 4  # three deltas, decoded into the spare arena
+    second = engine.arenas.live
+    assert second is not first and all(second.holds(t.data) for t in sub._state.values())
+    assert_state_equal(engine.weights, steps[4])
+    _publish(store, steps[5:], start=5, base_every=100)
+    engine.fail_next_swap = True
+    assert not await sub.sync()
+    assert engine.arenas.live is second and sub.current.step == 4  # rolled back to the live arena
+    assert_state_equal(engine.weights, steps[4])
+    assert await sub.sync() and engine.arenas.live is first
+    assert_state_equal(engine.weights, steps[5])
+    assert sorted(p.name for p in tmp_path.glob("delta-swap-arena-*"))
+    await sub.stop()
+    assert not list(tmp_path.glob("delta-swap-arena-*"))

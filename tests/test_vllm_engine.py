@@ -23,6 +23,7 @@ from tests.support.rollout_scenarios import (
     Credentials,
     bad_snapshots_never_reach_the_model,
     drop_snapshot,
+    openai_routes_tag_the_weight_version,
     publish_dirs,
     status,
     swaps_under_load,
@@ -117,6 +118,21 @@ def test_swap_matches_a_fresh_server_with_no_stale_prefix_kv(live, models, refer
     metrics = httpx.get(f"{server.url}/metrics", timeout=30).text  # next to vLLM's own metrics
     assert "delta_swap_current_step 1.0" in metrics and "vllm:" in metrics
     assert 'delta_swap_phase_seconds_count{phase="swap"}' in metrics
+
+
+def expected_swap_path() -> str:
+    """On CPUs without AMX or AVX512-BF16 vLLM keeps bf16 weights as plain tensors: arenas apply."""
+    import torch
+
+    packed = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    return "reload" if packed else "arena"
+
+
+def test_the_openai_routes_report_the_weight_version(live) -> None:
+    server, _ = live
+    st = status(server.url)
+    assert st["swap_path"] == expected_swap_path()
+    openai_routes_tag_the_weight_version(server.url, "tiny", st["current_snapshot_id"])
 
 
 def test_a_chain_of_deltas_is_applied_in_order(live, models, references, creds) -> None:

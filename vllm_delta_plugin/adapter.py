@@ -1,30 +1,41 @@
 """The vLLM engine adapter: swaps verified updates into a running vLLM through its engine client.
 
-Staging writes the changed tensors (completed to whole fused groups) as one safetensors file in
-shared memory, while vLLM keeps generating. The swap drains per the policy, then drives vLLM's
-RL weight-update API (``start_weight_update`` / ``update_weights`` naming that file /
-``finish_weight_update`` with the snapshot id as weight version) and resets the prefix cache, so
-no KV computed with the old weights is reused. Each worker loads the file through the
-``delta_swap`` weight-transfer backend (:mod:`.transfer_engine`).
+Two paths, chosen once per server from what the workers report (``describe``):
+
+* **arena** (parameters are plain host tensors, as on CPUs without AMX or AVX512-BF16): updates
+  are decoded straight into the spare one of two shared-memory weight arenas laid out like the
+  engine's parameters, and the swap points every parameter at it (``commit``): the pause does not
+  grow with the model, and the spare arena is the only copy delta-swap adds;
+* **reload** (everywhere else): the changed tensors, completed to whole fused groups, are staged as
+  one safetensors file in shared memory and loaded through vLLM's layerwise reload.
+
+Either way the swap drives vLLM's RL weight-update API (``start_weight_update`` /
+``update_weights`` / ``finish_weight_update`` with the snapshot id as weight version, through the
+``delta_swap`` weight-transfer backend of :mod:`.transfer_engine`) and resets the prefix cache, so
+no KV computed with the old weights is reused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
+from delta_swap.arena import Arena, ArenaLayout, ArenaPair
 from delta_swap.engine_adapter import EngineAdapter, WeightUpdate
 from delta_swap.errors import EngineError
 from delta_swap.safetensors_io import write_safetensors
 from delta_swap.served_model import ServedModel
 from delta_swap.settings import DrainPolicy, Settings
+from delta_swap.tensors import StateDict, TensorSpecs
 
 from .fused import fused_group_members
 
@@ -63,6 +74,10 @@ class VllmAdapter(EngineAdapter):
         self.settings = settings
         self.served = served
         self.packed = packed
+        #: The two weight arenas, on the arena path (None: the reload path, or not described yet).
+        self.arenas: ArenaPair | None = None
+        self._described = False
+        self._drain = settings.drain
 
     @classmethod
     def for_engine(cls, engine_client: Any, settings: Settings, model: str) -> VllmAdapter:
@@ -72,7 +87,49 @@ class VllmAdapter(EngineAdapter):
     async def weight_version(self) -> str | None:
         return await self.engine.get_weight_version()
 
-    async def stage(self, update: WeightUpdate) -> StagedFile:
+    async def describe(self) -> dict[str, Any]:
+        return {"swap_path": "arena" if self.arenas else ("reload" if self._described else None)}
+
+    async def _call(self, info: dict[str, Any], version: str | None = None) -> None:
+        """One operation of the workers' ``delta_swap`` backend, in its own weight-update session;
+        ``version`` becomes the engine's weight version if the operation succeeded."""
+        await self.engine.start_weight_update()
+        try:
+            await self.engine.update_weights(WeightTransferUpdateRequest(update_info=info))
+        finally:
+            await self.engine.finish_weight_update()
+        if version is not None:
+            await self.engine.update_weight_version(version)
+
+    async def destination(self, specs: TensorSpecs) -> StateDict | None:
+        if not self._described:
+            self._described = True
+            output = Path(self.settings.staging_dir) / f"delta-swap-layout-{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
+            try:
+                await self._call({"op": "describe", "output": str(output)})
+                doc = json.loads(output.read_text())
+            finally:
+                output.unlink(missing_ok=True)
+            if doc["layout"]:
+                layout = ArenaLayout.from_json(doc["layout"])
+                try:
+                    self.arenas = await asyncio.to_thread(ArenaPair, self.settings.staging_dir, layout)
+                    log.info("delta_swap: swapping by reference between two %.1f MB weight arenas", layout.nbytes / 1e6)
+                except EngineError as exc:  # e.g. no room in the staging folder: the slower path still works
+                    log.warning("delta_swap: no weight arenas (%s); falling back to the %s path", exc, "reload")
+            else:
+                log.info("delta_swap: reloading changed tensors on each swap (%s)", doc["reason"])
+        if self.arenas is None or specs != self.arenas.layout.specs:
+            return None
+        return self.arenas.spare_tensors()
+
+    async def stage(self, update: WeightUpdate) -> StagedFile | Arena:
+        if self.arenas is not None:
+            arena = self.arenas.holding(update.state)
+            if arena is not None:
+                return arena
+            if self.arenas.live is not None:
+                raise EngineError("vllm: an update outside the weight arenas after the engine moved into them")
         if self.packed is None:
             names = sorted(update.state)
         else:
@@ -87,27 +144,47 @@ class VllmAdapter(EngineAdapter):
         await asyncio.to_thread(write)
         return StagedFile(path, names)
 
-    async def unstage(self, staged: StagedFile) -> None:
-        os.unlink(staged.path)
+    async def unstage(self, staged: StagedFile | Arena) -> None:
+        if isinstance(staged, StagedFile):
+            os.unlink(staged.path)
+
+    async def close(self) -> None:
+        if self.arenas is not None:  # the workers keep their mappings until they exit
+            self.arenas.close()
 
     async def pause(self, drain: DrainPolicy, timeout_s: float) -> None:
+        self._drain = drain
         if drain is DrainPolicy.WAIT:
             try:
-                await asyncio.wait_for(self.engine.pause_generation(mode="wait", clear_cache=False), timeout_s)
+                await asyncio.wait_for(self._pause("wait"), timeout_s)
                 return
             except asyncio.TimeoutError:
                 log.warning("delta_swap: requests still running after %.1fs, aborting them", timeout_s)
                 drain = DrainPolicy.ABORT
-        await self.engine.pause_generation(mode=drain.value, clear_cache=False)
+        await self._pause(drain.value)
 
-    async def swap(self, update: WeightUpdate, staged: StagedFile) -> None:
-        await self.engine.start_weight_update()
-        await self.engine.update_weights(WeightTransferUpdateRequest(update_info={"path": staged.path,
-                                                                                 "names": staged.names}))
-        await self.engine.finish_weight_update(weight_version=update.version)
-        # No KV computed with the old weights may be reused: drop the prefix cache, and make
-        # requests kept in place recompute theirs.
-        if not await self.engine.reset_prefix_cache(reset_running_requests=True):
+    async def _pause(self, mode: str) -> None:
+        # The engine core's own pause: AsyncLLM.pause_generation adds a fixed 20 ms sleep that only
+        # orders output events for its caller.
+        core = getattr(self.engine, "engine_core", None)
+        if core is not None and hasattr(core, "pause_scheduler_async"):
+            await core.pause_scheduler_async(mode=mode, clear_cache=False)
+        else:
+            await self.engine.pause_generation(mode=mode, clear_cache=False)
+
+    async def swap(self, update: WeightUpdate, staged: StagedFile | Arena) -> None:
+        if isinstance(staged, Arena):
+            await self._call({"op": "commit", "path": str(staged.path)}, update.version)
+            assert self.arenas is not None
+            self.arenas.live = staged
+        else:
+            await self._call({"op": "load", "path": staged.path, "names": staged.names}, update.version)
+        # No new request may reuse KV computed with the old weights: drop the prefix cache. Requests
+        # kept in place recompute theirs if asked; else they keep it, their blocks stay, the reset
+        # may not happen, and the version in every request's cache salt keeps new ones apart.
+        keep_kv = self._drain is DrainPolicy.KEEP and not self.settings.recompute_kv
+        reset = await self.engine.reset_prefix_cache(reset_running_requests=not keep_kv)
+        if not reset and not keep_kv:
             raise EngineError("vllm: refused to reset its prefix cache after a weight update")
 
     async def resume(self) -> None:

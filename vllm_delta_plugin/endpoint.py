@@ -19,9 +19,13 @@ class DeltaSwapEndpoint:
     required_tasks = ("generate",)
 
     def attach_router(self, app: Any) -> None:
-        service.mount_admin_routes(app, "set DELTA_SWAP_STORE (and VLLM_PLUGINS=delta_swap)")
+        service.mount(app, "set DELTA_SWAP_STORE (and VLLM_PLUGINS=delta_swap)")
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
+        from .versions import instrument
+
+        # Weight-version spans for the OpenAI-compatible routes, and version-salted prefix caching.
+        instrument(engine_client, lambda: service.served_version(state))
         settings = Settings.load()
         adapter = None
         if settings.store:

@@ -1,17 +1,23 @@
-"""The ``delta_swap`` weight-transfer backend, living in each vLLM worker.
+"""The ``delta_swap`` weight-transfer backend, living in each vLLM worker. Its operations
+(``update_info["op"]``):
 
-The API server stages verified tensors as a safetensors file in shared memory; ``update_weights``
-names that file and the worker maps it and loads the tensors through vLLM's layerwise reload,
-which works after CPU (oneDNN) or GPU post-load processing has repacked the weights.
+* ``describe``: write the engine's parameter layout as an arena layout (or why there is none) to
+  ``output``: the API server then decodes updates into shared-memory arenas in that layout;
+* ``commit``: point every parameter at the arena file ``path`` (a reference swap, O(#parameters)):
+  the arena path, used where parameters are plain host tensors (vLLM's CPU fallback for bf16);
+* ``load`` (default): load the tensors of a staged safetensors file or checkpoint folder through
+  vLLM's layerwise reload, which works after CPU (oneDNN, AMX) or GPU post-load processing has
+  repacked the weights: the reload path, used everywhere else.
 
 A layerwise reload that is started and never finalized leaves layers on the meta device and the
-next forward pass kills the engine, so this backend validates everything first (names, dtypes,
-shapes against the served checkpoint; complete fused groups), starts the reload only then, and
-finalizes it on every error path: a failed update leaves the previous weights in place.
+next forward pass kills the engine, so ``load`` validates everything first (names, dtypes, shapes
+against the served checkpoint; complete fused groups), starts the reload only then, and finalizes
+it on every error path: a failed update leaves the previous weights in place.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -28,9 +34,12 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+from delta_swap.arena import Arena, ArenaLayout
+from delta_swap.checkpoint_dir import read_checkpoint_dir
 from delta_swap.dtypes import from_torch_dtype
 from delta_swap.errors import IncompatibleSnapshotError
 from delta_swap.served_model import ServedModel
+from delta_swap.torch_params import check_matches, plan_layout, point_parameters
 
 from .fused import fused_group_members
 
@@ -44,11 +53,14 @@ class DeltaSwapInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class DeltaSwapUpdateInfo(WeightTransferUpdateInfo):
-    """A staged safetensors file (or a checkpoint folder of them), and optionally which of
-    its tensors to load (default: all)."""
+    """One operation: ``load`` a staged safetensors file or checkpoint folder (``path``,
+    optionally only ``names``), ``commit`` to the arena file ``path``, or ``describe`` the
+    parameter layout into the JSON file ``output``."""
 
+    op: str = "load"
     path: str = ""
     names: list[str] = field(default_factory=list)
+    output: str = ""
 
 
 def _read_tensors(path: str, wanted: set[str]) -> list[tuple[str, torch.Tensor]]:
@@ -73,6 +85,8 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         self._served = ServedModel.from_checkpoint(str(vllm_config.model_config.model))
         self._packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", None) or {})
         self._active = False
+        self._layout: ArenaLayout | None = None
+        self._arenas: dict[str, Arena] = {}
 
     def init_transfer_engine(self, init_info: DeltaSwapInitInfo) -> None:
         pass
@@ -86,6 +100,40 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: DeltaSwapUpdateInfo) -> None:
+        if update_info.op == "describe":
+            self._describe(update_info.output)
+        elif update_info.op == "commit":
+            self._commit(update_info.path)
+        elif update_info.op == "load":
+            self._load(update_info)
+        else:
+            raise ValueError(f"delta_swap: unknown operation {update_info.op!r}")
+
+    def _describe(self, output: str) -> None:
+        """Write the arena layout of this worker's parameters (or the reason there is none)."""
+        params = dict(self.model.named_parameters())
+        layout, reason = plan_layout(params, self._packed, self._served.specs) if self._served.specs else (
+            None, "the served checkpoint is not a local folder")
+        if layout is not None and self._served.checkpoint_dir is not None:
+            checkpoint, _ = read_checkpoint_dir(self._served.checkpoint_dir)
+            mismatch = check_matches(params, layout, checkpoint)
+            if mismatch is not None:
+                layout, reason = None, mismatch
+        self._layout = layout
+        Path(output).write_text(json.dumps({"layout": layout and layout.to_json(), "reason": reason}))
+
+    def _commit(self, path: str) -> None:
+        """Point every parameter at the arena ``path`` (mapped on first use)."""
+        if self._layout is None:
+            raise ValueError("delta_swap: commit before a layout was described")
+        started = time.perf_counter()
+        arena = self._arenas.get(path)
+        if arena is None:
+            arena = self._arenas[path] = Arena(path, self._layout)
+        point_parameters(dict(self.model.named_parameters()), arena)
+        log.info("delta_swap: parameters now live in %s (%.1f ms)", path, 1000 * (time.perf_counter() - started))
+
+    def _load(self, update_info: DeltaSwapUpdateInfo) -> None:
         started = time.perf_counter()
         weights = _read_tensors(update_info.path, set(update_info.names))
         self._validate(weights)

@@ -7,6 +7,7 @@ The plugin is enabled by its flags: every setting is ``--delta-swap-<name>``.
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Mapping, Sequence
 from functools import cache
@@ -21,7 +22,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @cache
 def python() -> str:
-    """The SGLang environment's interpreter (built once by scripts/sglang_env.sh, then cached)."""
+    """The SGLang environment's interpreter: ``$DELTA_SWAP_SGLANG_PYTHON`` if set (e.g. a CUDA
+    install on a GPU machine), else the CPU environment scripts/sglang_env.sh builds and caches."""
+    if os.environ.get("DELTA_SWAP_SGLANG_PYTHON"):
+        return os.environ["DELTA_SWAP_SGLANG_PYTHON"]
     out = subprocess.run(["bash", str(ROOT / "scripts" / "sglang_env.sh")], check=True, capture_output=True,
                          text=True, timeout=3600)
     return str(Path(out.stdout.strip().splitlines()[-1]) / "bin" / "python")
@@ -31,17 +35,25 @@ def command(model: Path, port: int, *, served_name: str = "model", settings: Map
             extra: Sequence[str] = ()) -> list[str]:
     """Arguments after ``python`` that start SGLang's server on ``model`` (plugin flags from ``settings``)."""
     argv = ["-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1", "--port", str(port),
-            "--served-model-name", served_name, "--device", "cpu", "--attention-backend", "torch_native",
-            "--max-total-tokens", "4096", "--random-seed", "0"]
+            "--served-model-name", served_name, "--max-total-tokens", "4096", "--random-seed", "0"]
+    if device() == "cpu":
+        argv += ["--device", "cpu", "--attention-backend", "torch_native"]
     for name, value in (settings or {}).items():
         argv += [Settings.flag_name(name), str(value)]
     return argv + list(extra)
 
 
+def device() -> str:
+    """``cpu`` (the default, CI) or ``cuda`` (``DELTA_SWAP_DEVICE=cuda``, e.g. benchmarks/gpu_smoke.sh)."""
+    return os.environ.get("DELTA_SWAP_DEVICE", "cpu")
+
+
 def environment(*, plugin: bool = True, shim_log: Path | None = None) -> dict[str, str]:
     """What SGLang needs on this machine; ``shim_log`` records any call of the sgl_kernel test shim."""
-    env = {"SGLANG_USE_CPU_ENGINE": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+    env = {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
            "SGLANG_PLUGINS": "delta_swap" if plugin else "none"}  # an allowlist naming no plugin: plain SGLang
+    if device() == "cpu":
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
     if shim_log is not None:
         env["DELTA_SWAP_SGL_KERNEL_SHIM_LOG"] = str(shim_log)
     return env

@@ -53,6 +53,7 @@ class FakeTokenizerManager:
         self.update_results = list(update_results)
         self.calls: list[str] = []
         self.loaded: list[dict[str, bytes]] = []
+        self.flushes: list[bool] = []
 
     def config_value(self, name: str) -> str:
         assert name == "weight_version"
@@ -79,7 +80,8 @@ class FakeTokenizerManager:
         return True, ""
 
     async def update_weights_from_tensor(self, obj, request):
-        assert obj.load_format == "flattened_bucket" and obj.flush_cache
+        assert obj.load_format == "flattened_bucket"
+        self.flushes.append(obj.flush_cache)
         per_rank = []
         for payload in obj.serialized_named_tensors:  # one per TP rank, each read with SGLang's safe unpickler
             bucket = MultiprocessingSerializer.deserialize(payload)
@@ -119,7 +121,8 @@ async def main() -> None:
     # A swap moves exactly the staged bytes to every TP rank, paused, and resumes.
     tm = FakeTokenizerManager([True])
     timings = await swap(tm, "keep", update("s1", new, old), tp_size=2)
-    check(tm.calls == ["pause:retract", "begin", "update:s1", "end", "continue"], f"keep swap calls {tm.calls}")
+    check(tm.calls == ["pause:in_place", "begin", "update:s1", "end", "continue"], f"keep swap calls {tm.calls}")
+    check(tm.flushes == [False], "keep mode leaves the radix cache to the version salt")
     check(tm.loaded[0] == {n: t.data.tobytes() for n, t in new.items()}, "bytes arrive unchanged")
     check(tm.ranks == 2, "one payload per tensor-parallel rank")
     check({"stage", "pause", "swap", "resume"} <= set(timings), f"timings {timings}")
@@ -134,6 +137,7 @@ async def main() -> None:
         check("refused by the scripted engine" in str(exc), str(exc))
     check(tm.calls == ["pause:abort", "pause:retract", "begin", "update:s2", "end", "begin", "update:v0", "end",
                        "continue"], f"rollback calls {tm.calls}")
+    check(tm.flushes == [True, True], "abort mode flushes the radix cache")
     check(tm.loaded[1] == {n: t.data.tobytes() for n, t in old.items()}, "rollback loads the previous bytes")
     check(tm.version == "v0" and not tm.is_pause, "previous version, not paused")
     print("ok: rollback")

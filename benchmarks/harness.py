@@ -1,0 +1,185 @@
+"""What the update benchmarks share: random Llama checkpoints of a chosen size, RL-sized updates of
+them, one engine server at a time with delta-swap following a store, and the engines' own anchors
+(vLLM's layerwise reload from a folder, SGLang's ``update_weights_from_disk``, a restart).
+
+Every server listens on 127.0.0.1 and is stopped when its ``with`` block ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import torch
+from safetensors.torch import load_file, save_file
+
+from delta_swap.publisher import Publisher, PublisherConfig
+from examples.servers import sglang as sglang_server
+from examples.servers import vllm as vllm_server
+from examples.servers.process import Server
+from examples.tiny_model import make_tiny_model
+
+#: Llama shapes by parameter count (vocab 512: the offline tokenizer's size), bf16.
+SIZES: dict[str, dict[str, int]] = {
+    "25M": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 1536},
+    "60M": {"hidden_size": 768, "num_layers": 9, "num_heads": 12, "num_kv_heads": 4, "intermediate_size": 2304},
+    "120M": {"hidden_size": 1024, "num_layers": 9, "num_heads": 16, "num_kv_heads": 4, "intermediate_size": 2816},
+    "180M": {"hidden_size": 1024, "num_layers": 14, "num_heads": 16, "num_kv_heads": 4, "intermediate_size": 2816},
+    "400M": {"hidden_size": 1536, "num_layers": 14, "num_heads": 16, "num_kv_heads": 4, "intermediate_size": 4096},
+}
+MODEL_NAME = "model"
+
+
+def model_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+
+
+def make_model(root: Path, size: str) -> Path:
+    """A random Llama checkpoint of ``size`` (cached in ``root``), init std 0.02 like HF's."""
+    folder = root / f"llama-{size}"
+    if not (folder / "model.safetensors").exists():
+        make_tiny_model(folder, vocab_size=512, init_std=0.02, **SIZES[size])
+    return folder
+
+
+def rl_update(weights: dict[str, torch.Tensor], gen: torch.Generator, fraction: float = 0.02) -> None:
+    """Move ``fraction`` of every bf16 tensor's elements by +-1..3 ULP in place: an RL step."""
+    for w in weights.values():
+        mask = torch.rand(w.shape, generator=gen) < fraction
+        bits = w.view(torch.int16)
+        bits[mask] += torch.randint(-3, 4, (int(mask.sum()),), generator=gen, dtype=torch.int16)
+
+
+@dataclass
+class Trainer:
+    """Publishes RL-sized updates of one model to a store, step after step."""
+
+    model: Path
+    store: Path
+    step: int = 0
+
+    def __post_init__(self) -> None:
+        self.weights = load_file(str(self.model / "model.safetensors"))
+        self.gen = torch.Generator().manual_seed(0)
+        self.publisher = Publisher(str(self.store), PublisherConfig(base_every=10_000),
+                                   files={"config.json": (self.model / "config.json").read_bytes()})
+        self.publisher.publish(0, self.weights)
+        self.publisher.flush()
+
+    def publish_next(self) -> float:
+        """Publish the next step; returns the wall time of the call and its commit."""
+        rl_update(self.weights, self.gen)
+        self.step += 1
+        start = time.perf_counter()
+        self.publisher.publish(self.step, self.weights)
+        self.publisher.flush()
+        return time.perf_counter() - start
+
+    def write_checkpoint(self, folder: Path) -> Path:
+        """The current weights as a checkpoint folder (what the engines' own reloads read)."""
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(self.weights, str(folder / "model.safetensors"))
+        for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+            if (self.model / name).exists():
+                shutil.copy(self.model / name, folder / name)
+        return folder
+
+    def close(self) -> None:
+        self.publisher.close()
+
+
+@contextlib.contextmanager
+def engine_server(engine: str, model: Path, work: Path, *, store: Path | None, settings: dict | None = None,
+                  kv_cache_gib: int = 2) -> Iterator[Server]:
+    """One engine server on ``model``; with ``store``, the plugin follows it (``settings`` added)."""
+    plugin = store is not None
+    options = {"store": store.as_uri(), "poll_interval": 0.2, **(settings or {})} if plugin else None
+    if engine == "vllm":
+        env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+        server = vllm_server.start(model, work, settings=options, plugin=plugin, served_name=MODEL_NAME, env=env,
+                                   log_name=f"vllm-{time.monotonic_ns()}.log", timeout_s=900)
+    else:
+        server = sglang_server.start(model, work, settings=options, plugin=plugin, served_name=MODEL_NAME,
+                                     log_name=f"sglang-{time.monotonic_ns()}.log", timeout_s=900)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def status(url: str) -> dict:
+    return httpx.get(f"{url}/delta_swap/status", timeout=60).json()
+
+
+def wait_step(url: str, step: int, timeout: float = 600) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = status(url)
+        if st["current_step"] == step:
+            return st
+        time.sleep(0.02)
+    raise TimeoutError(f"server did not reach step {step}: {json.dumps(status(url))[:400]}")
+
+
+def engine_reload(engine: str, url: str, folder: Path, version: str | None) -> float:
+    """The engine's own full reload of the weights in ``folder``; returns its wall time."""
+    start = time.perf_counter()
+    if engine == "vllm":
+        body = {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}}
+        r = httpx.post(f"{url}/collective_rpc", json=body, timeout=900)
+    else:
+        body = {"model_path": str(folder), "weight_version": version, "flush_cache": True}
+        r = httpx.post(f"{url}/update_weights_from_disk", json=body, timeout=900)
+    elapsed = time.perf_counter() - start
+    r.raise_for_status()
+    if engine == "sglang" and not r.json().get("success", False):
+        raise RuntimeError(f"update_weights_from_disk failed: {r.text[:300]}")
+    return elapsed
+
+
+def restart_time(engine: str, model: Path, work: Path) -> float:
+    """Seconds from starting a fresh server on ``model`` to its first healthy answer."""
+    start = time.perf_counter()
+    with engine_server(engine, model, work, store=None):
+        return time.perf_counter() - start
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process below it."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def tree_pss(pid: int) -> int:
+    """Proportional set size of a process tree in bytes (shared pages counted once overall)."""
+    total = 0
+    for p in process_tree(pid):
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as fh:
+                for line in fh:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+        except OSError:
+            continue
+    return total

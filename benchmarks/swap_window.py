@@ -1,0 +1,128 @@
+"""Figure 1: how long an engine generates nothing per update, against model size, for delta-swap,
+the engine's own full reload of the same weights, and a restart, on vLLM and SGLang (CPU).
+
+    python -m benchmarks.swap_window [--engines vllm sglang] [--sizes 25M 60M 120M 180M 400M] [--updates 5]
+
+For each engine and size: a server follows a store while a trainer publishes RL-sized updates
+(2% of elements moved by 1-3 ULP); delta-swap's window is the server's pause + swap + resume time
+of each update. In the same server the engine then reloads the same weights itself (vLLM:
+``reload_weights`` from a folder, its layerwise reload; SGLang: ``update_weights_from_disk``),
+which blocks generation for its whole duration. Last, a fresh server is started on the model.
+Prints a table (medians) with the window / reload ratio and writes docs/swap_window.png and a
+JSON of every measurement. Also records each update's publish-to-serving latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.harness import (
+    SIZES,
+    Trainer,
+    engine_reload,
+    engine_server,
+    make_model,
+    model_bytes,
+    restart_time,
+    status,
+    wait_step,
+)
+
+WINDOW_PHASES = ("pause", "swap", "resume")
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def measure(engine: str, size: str, work: Path, updates: int) -> dict:
+    model = make_model(work / "models", size)
+    run = work / f"{engine}-{size}"
+    trainer = Trainer(model, run / "store")
+    rows: dict = {"engine": engine, "size": size, "model_bytes": model_bytes(model), "updates": []}
+    try:
+        with engine_server(engine, model, run / "server", store=run / "store") as server:
+            wait_step(server.url, 0)
+            for _ in range(updates):
+                start = time.perf_counter()
+                publish_s = trainer.publish_next()
+                st = wait_step(server.url, trainer.step)
+                timings = st["last_update_timings_s"]
+                rows["updates"].append({"window_s": sum(timings.get(p, 0.0) for p in WINDOW_PHASES),
+                                        "publish_s": publish_s, "publish_to_serving_s": time.perf_counter() - start,
+                                        "timings": timings})
+            rows["swap_path"] = status(server.url).get("swap_path")
+            folder = trainer.write_checkpoint(run / "checkpoint")
+            version = status(server.url)["current_snapshot_id"]
+            rows["reload_s"] = [engine_reload(engine, server.url, folder, version) for _ in range(updates)]
+    finally:
+        trainer.close()
+    rows["restart_s"] = restart_time(engine, model, run / "restart")
+    return rows
+
+
+def summarize(rows: list[dict]) -> list[str]:
+    lines = [f"{'engine':<7} {'size':>5} {'model MB':>9} {'path':>7} {'delta-swap window ms':>21} "
+             f"{'engine reload ms':>17} {'ratio':>6} {'restart s':>10} {'publish->serving s':>19}"]
+    for r in rows:
+        window = statistics.median(u["window_s"] for u in r["updates"])
+        reload = statistics.median(r["reload_s"])
+        latency = statistics.median(u["publish_to_serving_s"] for u in r["updates"])
+        lines.append(f"{r['engine']:<7} {r['size']:>5} {r['model_bytes'] / 1e6:>9.0f} {r.get('swap_path') or '-':>7} "
+                     f"{1000 * window:>21.1f} {1000 * reload:>17.1f} {window / reload:>6.2f} {r['restart_s']:>10.1f} "
+                     f"{latency:>19.2f}")
+    return lines
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    colors = {"vllm": "tab:blue", "sglang": "tab:orange"}
+    for engine in sorted({r["engine"] for r in rows}):
+        mine = sorted((r for r in rows if r["engine"] == engine), key=lambda r: r["model_bytes"])
+        x = [r["model_bytes"] / 1e6 for r in mine]
+        ax.plot(x, [statistics.median(u["window_s"] for u in r["updates"]) for r in mine], "o-",
+                color=colors[engine], label=f"{engine}: delta-swap (pause + swap)")
+        ax.plot(x, [statistics.median(r["reload_s"]) for r in mine], "s--", color=colors[engine],
+                label=f"{engine}: engine's own reload")
+        ax.plot(x, [r["restart_s"] for r in mine], "^:", color=colors[engine], alpha=0.6, label=f"{engine}: restart")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("model size (MB of bf16 weights)")
+    ax.set_ylabel("seconds without generation per update")
+    ax.set_title("No-generation window per update (CPU, 2 cores; 2% of elements change per step)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engines", nargs="+", default=["vllm", "sglang"], choices=["vllm", "sglang"])
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--updates", type=int, default=5)
+    parser.add_argument("--workdir", help="models and stores (default: a temp dir; models are cached there)")
+    parser.add_argument("--json", default=str(DOCS / "swap_window.json"))
+    parser.add_argument("--plot", default=str(DOCS / "swap_window.png"))
+    args = parser.parse_args()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="delta-swap-window-"))
+    rows = []
+    for engine in args.engines:
+        for size in args.sizes:
+            rows.append(measure(engine, size, work, args.updates))
+            print("\n".join(summarize(rows[-1:])[1:]), flush=True)
+    print("\n".join(summarize(rows)))
+    Path(args.json).write_text(json.dumps(rows, indent=1))
+    plot(rows, Path(args.plot))
+    print(f"wrote {args.plot} and {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Figure 4: host memory delta-swap adds during an update, over the model's bytes, on vLLM and SGLang.
+
+    python -m benchmarks.update_memory [--engines vllm sglang] [--sizes 60M 180M] [--updates 5]
+
+Memory is the proportional set size (PSS) of the whole server process tree, so pages shared
+between processes (the weight arenas in /dev/shm, mapped by the HTTP server and the engine
+worker) count once. The anchor is the same engine on the same model without delta-swap. For
+each size: the plain server's PSS after a few requests; then the server with the plugin, sampled
+every 20 ms while a trainer publishes ``--updates`` RL-sized updates, first sync included.
+Prints (peak with delta-swap - plain server) / model bytes per engine and size, and writes
+docs/update_memory.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks.harness import MODEL_NAME, SIZES, Trainer, engine_server, make_model, model_bytes, tree_pss, wait_step
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+class Sampler:
+    """Samples a process tree's PSS in a background thread."""
+
+    def __init__(self, pid: int, every_s: float = 0.02) -> None:
+        self.pid, self.every_s = pid, every_s
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append(tree_pss(self.pid))
+            self._stop.wait(self.every_s)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def peak(self) -> int:
+        return max(self.samples, default=0)
+
+
+def _warm(url: str) -> None:
+    body = {"model": MODEL_NAME, "prompt": "warm the engine up", "max_tokens": 8, "temperature": 0}
+    httpx.post(f"{url}/v1/completions", json=body, timeout=600).raise_for_status()
+
+
+def measure(engine: str, size: str, work: Path, updates: int) -> dict:
+    model = make_model(work / "models", size)
+    run = work / f"{engine}-{size}"
+    with engine_server(engine, model, run / "plain", store=None) as server:
+        _warm(server.url)
+        time.sleep(2)
+        plain = tree_pss(server.proc.pid)
+    trainer = Trainer(model, run / "store")
+    try:
+        with engine_server(engine, model, run / "plugin", store=run / "store") as server:
+            wait_step(server.url, 0)
+            _warm(server.url)
+            time.sleep(2)
+            steady = tree_pss(server.proc.pid)
+            with Sampler(server.proc.pid) as sampler:
+                for _ in range(updates):
+                    trainer.publish_next()
+                    wait_step(server.url, trainer.step)
+            after = tree_pss(server.proc.pid)
+    finally:
+        trainer.close()
+    size_b = model_bytes(model)
+    return {"engine": engine, "size": size, "model_bytes": size_b, "plain_pss": plain, "steady_pss": steady,
+            "peak_pss": sampler.peak, "after_pss": after,
+            "added_over_model": (sampler.peak - plain) / size_b, "steady_added_over_model": (steady - plain) / size_b}
+
+
+def summarize(rows: list[dict]) -> list[str]:
+    lines = [f"{'engine':<7} {'size':>5} {'model MB':>9} {'plain MB':>9} {'with delta-swap MB':>19} "
+             f"{'peak MB':>8} {'added / model (steady)':>23} {'added / model (peak)':>21}"]
+    for r in rows:
+        lines.append(f"{r['engine']:<7} {r['size']:>5} {r['model_bytes'] / 1e6:>9.0f} {r['plain_pss'] / 1e6:>9.0f} "
+                     f"{r['steady_pss'] / 1e6:>19.0f} {r['peak_pss'] / 1e6:>8.0f} "
+                     f"{r['steady_added_over_model']:>23.2f} {r['added_over_model']:>21.2f}")
+    return lines
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    labels = [f"{r['engine']}\n{r['size']} ({r['model_bytes'] / 1e6:.0f} MB)" for r in rows]
+    x = range(len(rows))
+    ax.bar([i - 0.2 for i in x], [r["steady_added_over_model"] for r in rows], 0.4, label="between updates")
+    ax.bar([i + 0.2 for i in x], [r["added_over_model"] for r in rows], 0.4, label="peak during updates")
+    ax.axhline(1.3, color="gray", linestyle="--", linewidth=1, label="1.3x target")
+    ax.set_xticks(list(x), labels, fontsize=8)
+    ax.set_ylabel("host memory added by delta-swap / model bytes")
+    ax.set_title("Memory delta-swap adds to a server (PSS of the process tree vs the plain engine)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engines", nargs="+", default=["vllm", "sglang"], choices=["vllm", "sglang"])
+    parser.add_argument("--sizes", nargs="+", default=["60M", "180M"], choices=list(SIZES))
+    parser.add_argument("--updates", type=int, default=5)
+    parser.add_argument("--workdir")
+    parser.add_argument("--json", default=str(DOCS / "update_memory.json"))
+    parser.add_argument("--plot", default=str(DOCS / "update_memory.png"))
+    args = parser.parse_args()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="delta-swap-memory-"))
+    rows = []
+    for engine in args.engines:
+        for size in args.sizes:
+            rows.append(measure(engine, size, work, args.updates))
+            print(summarize(rows)[-1], flush=True)
+    print("\n".join(summarize(rows)))
+    Path(args.json).write_text(json.dumps(rows, indent=1))
+    plot(rows, Path(args.plot))
+    print(f"wrote {args.plot} and {args.json}")
+
+
+if __name__ == "__main__":
+    main()
