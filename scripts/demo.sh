@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Install everything (cached environment) and run the main demo: a tiny model published to a
-# local file:// store step by step, pulled back and verified, and hot-swapped into a live engine.
+# Install everything (cached environment) and run the main demo: a GRPO trainer improves a tiny
+# policy (generated on the spot) while a live vLLM server with the delta_swap plugin follows a local
+# file:// store and hot-swaps every step (examples/rl_loop.py; arguments are passed on, e.g.
+# --engine sglang or --engine both).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv=$(bash "$root/scripts/env.sh")
 cd "$root"
-exec "$venv/bin/python" -m examples.demo "$@"
+exec "$venv/bin/python" -m examples.rl_loop "$@"

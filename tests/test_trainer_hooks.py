@@ -1,0 +1,145 @@
+"""Trainer hooks: the plain PyTorch loop of the README, a transformers Trainer with
+DeltaSwapCallback, and two sharded (FSDP2) ranks that publish without gathering the whole model."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+
+from delta_swap import Publisher, PublisherConfig
+from delta_swap.chain import ChainReader
+from delta_swap.rebuild import rebuild
+from delta_swap.stores import FileStore
+from tests.support.chains import assert_state_equal
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from examples.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", hidden_size=64, num_layers=2, num_heads=4,
+                           num_kv_heads=2, intermediate_size=128, init_std=0.02)
+
+
+async def test_the_readme_training_loop_publishes_every_step(tmp_path, tiny) -> None:
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(tiny, torch_dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(0))
+    with Publisher(str(tmp_path), PublisherConfig(base_every=5)) as pub:   # the README's loop
+        for step in range(3):
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            pub.publish(step, {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()})
+    _, state, _ = await rebuild(FileStore(tmp_path))
+    assert_state_equal(state, {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()})
+
+
+async def test_a_transformers_trainer_publishes_after_each_optimizer_step(tmp_path, tiny) -> None:
+    from transformers import LlamaForCausalLM, Trainer, TrainingArguments
+
+    from delta_swap.integrations.hf_trainer import DeltaSwapCallback
+
+    model = LlamaForCausalLM.from_pretrained(tiny, torch_dtype=torch.float32)
+    rows = [{"input_ids": list(range(3 + i, 19 + i)), "labels": list(range(3 + i, 19 + i))} for i in range(8)]
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=2,
+                             learning_rate=1e-4, report_to=[], save_strategy="no", use_cpu=True, logging_strategy="no")
+    callback = DeltaSwapCallback(str(tmp_path / "store"), PublisherConfig(base_every=10))
+    Trainer(model=model, args=args, train_dataset=rows, callbacks=[callback]).train()
+    store = FileStore(tmp_path / "store")
+    manifests = await ChainReader(store).list()
+    assert [m.step for m in manifests] == [1, 2, 3] and [m.kind.value for m in manifests] == ["base", "delta", "delta"]
+    _, state, _ = await rebuild(store)
+    assert_state_equal(state, {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()})
+
+
+async def test_a_trl_grpo_trainer_publishes_with_the_callback(tmp_path, tiny) -> None:
+    """TRL's trainers are transformers Trainers: the same callback publishes from GRPOTrainer."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from delta_swap.integrations.hf_trainer import DeltaSwapCallback
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    prompts = Dataset.from_list([{"prompt": p} for p in ("the model", "write a number", "count to", "years like")])
+
+    def digits(completions: list[str], **kwargs) -> list[float]:
+        return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in completions]
+
+    config = GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4, num_generations=2,
+                        max_completion_length=4, learning_rate=1e-4, report_to=[], save_strategy="no", use_cpu=True,
+                        logging_strategy="no", bf16=False)
+    trainer = GRPOTrainer(model=str(tiny), reward_funcs=digits, args=config, train_dataset=prompts,
+                          processing_class=tokenizer, callbacks=[DeltaSwapCallback(str(tmp_path / "store"))])
+    trainer.train()
+    store = FileStore(tmp_path / "store")
+    assert [m.step for m in await ChainReader(store).list()] == [1, 2]
+    _, state, _ = await rebuild(store)
+    assert_state_equal(state, {k: v.detach().to(torch.bfloat16) for k, v in trainer.model.state_dict().items()})
+
+
+def _sharded_rank(rank: int, world: int, port: int, model_dir: str, store: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaForCausalLM
+
+    from delta_swap.integrations.sharded import owned_tensors
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(rank))
+    largest_share = 0
+    with Publisher(store, PublisherConfig(rank=rank, world_size=world, base_every=10)) as pub:
+        for step in range(3):
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            share = owned_tensors(model.state_dict().items(), rank, world, torch.bfloat16)
+            largest_share = max(largest_share, sum(t.numel() * t.element_size() for t in share.values()))
+            pub.publish(step, share)
+    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().to(torch.bfloat16)
+            for k, v in model.state_dict().items()}
+    total = sum(t.numel() * t.element_size() for t in full.values())
+    if rank == 0:
+        torch.save({"state": full, "largest_share": largest_share, "total": total}, out)
+    dist.destroy_process_group()
+
+
+async def test_two_sharded_ranks_publish_their_shares_without_gathering_the_model(tmp_path, tiny) -> None:
+    from examples.servers.process import free_port
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    out = tmp_path / "rank0.pt"
+    procs = [ctx.Process(target=_sharded_rank, args=(r, 2, port, str(tiny), str(tmp_path / "store"), str(out)))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+        assert p.exitcode == 0
+    result = torch.load(out)
+    assert result["largest_share"] < 0.75 * result["total"]  # no rank held the whole model to publish
+    store = FileStore(tmp_path / "store")
+    manifests = await ChainReader(store).list()
+    assert [m.step for m in manifests] == [0, 1, 2]
+    assert len(manifests[0].shards) == 2  # one shard per rank
+    _, state, _ = await rebuild(store)
+    assert_state_equal(state, result["state"])
