@@ -41,7 +41,7 @@ build "$cache/gpu-sglang" "sglang==0.5.23"
 export DELTA_SWAP_DEVICE=cuda DELTA_SWAP_SGLANG_PYTHON="$cache/gpu-sglang/bin/python"
 cd "$root"
 set -x
-"$cache/gpu-vllm/bin/python" -m benchmarks.swap_window --sizes 120M 400M --updates 5 \
+"$cache/gpu-vllm/bin/python" -m benchmarks.swap_window --sizes 100M 350M --updates 5 \
   --json "$out/swap_window.json" --plot "$out/swap_window.png"
-"$cache/gpu-vllm/bin/python" -m benchmarks.throughput_under_updates --size 400M --seconds 60 --streams 8 \
+"$cache/gpu-vllm/bin/python" -m benchmarks.throughput_under_updates --size 350M --seconds 60 --streams 8 \
   --json "$out/throughput_under_updates.json" --plot "$out/throughput_under_updates.png"

@@ -28,11 +28,12 @@ from examples.tiny_model import make_tiny_model
 
 #: Llama shapes by parameter count (vocab 512: the offline tokenizer's size), bf16.
 SIZES: dict[str, dict[str, int]] = {
+    "3M": {"hidden_size": 256, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 768},
     "25M": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 1536},
     "60M": {"hidden_size": 768, "num_layers": 9, "num_heads": 12, "num_kv_heads": 4, "intermediate_size": 2304},
-    "120M": {"hidden_size": 1024, "num_layers": 9, "num_heads": 16, "num_kv_heads": 4, "intermediate_size": 2816},
-    "180M": {"hidden_size": 1024, "num_layers": 14, "num_heads": 16, "num_kv_heads": 4, "intermediate_size": 2816},
-    "400M": {"hidden_size": 1536, "num_layers": 14, "num_heads": 16, "num_kv_heads": 4, "intermediate_size": 4096},
+    "100M": {"hidden_size": 1024, "num_layers": 9, "num_heads": 16, "num_kv_heads": 4, "intermediate_size": 2816},
+    "160M": {"hidden_size": 1024, "num_layers": 14, "num_heads": 16, "num_kv_heads": 4, "intermediate_size": 2816},
+    "350M": {"hidden_size": 1536, "num_layers": 14, "num_heads": 16, "num_kv_heads": 4, "intermediate_size": 4096},
 }
 MODEL_NAME = "model"
 

@@ -1,7 +1,7 @@
 """Figure 3: from the trainer's publish call to the server serving the new weights, against model
 size, for delta-swap and for shipping a full checkpoint, on vLLM and SGLang (CPU).
 
-    python -m benchmarks.publish_latency [--engines vllm sglang] [--sizes 25M 60M 120M 180M 400M] [--updates 5]
+    python -m benchmarks.publish_latency [--engines vllm sglang] [--sizes 25M 60M 100M 160M 350M] [--updates 5]
 
 delta-swap: ``Publisher.publish`` of an RL-sized update (2% of elements, 1-3 ULP) until the
 server's status reports the new step (encode, upload, commit, poll, fetch, decode, verify, swap).

@@ -1,7 +1,7 @@
 """Figure 1: how long an engine generates nothing per update, against model size, for delta-swap,
 the engine's own full reload of the same weights, and a restart, on vLLM and SGLang (CPU).
 
-    python -m benchmarks.swap_window [--engines vllm sglang] [--sizes 25M 60M 120M 180M 400M] [--updates 5]
+    python -m benchmarks.swap_window [--engines vllm sglang] [--sizes 25M 60M 100M 160M 350M] [--updates 5]
 
 For each engine and size: a server follows a store while a trainer publishes RL-sized updates
 (2% of elements moved by 1-3 ULP); delta-swap's window is the server's pause + swap + resume time

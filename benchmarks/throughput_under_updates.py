@@ -1,7 +1,7 @@
 """Figure 2: the tokens per second a steady client load gets while an update arrives every 10 s,
 over the same load without updates, for each drain mode, on vLLM and SGLang (CPU).
 
-    python -m benchmarks.throughput_under_updates [--engines vllm sglang] [--size 180M] [--streams 4]
+    python -m benchmarks.throughput_under_updates [--engines vllm sglang] [--size 160M] [--streams 4]
         [--max-tokens 512] [--seconds 90] [--interval 10] [--modes keep wait abort]
 
 The load is the official ``openai`` client streaming ``/v1/completions`` (long generations,
@@ -156,7 +156,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", nargs="+", default=["vllm", "sglang"], choices=["vllm", "sglang"])
-    parser.add_argument("--size", default="180M", choices=list(SIZES))
+    parser.add_argument("--size", default="160M", choices=list(SIZES))
     parser.add_argument("--modes", nargs="+", default=["keep", "wait", "abort"], choices=["keep", "wait", "abort"])
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=512)

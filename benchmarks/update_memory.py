@@ -1,6 +1,6 @@
 """Figure 4: host memory delta-swap adds during an update, over the model's bytes, on vLLM and SGLang.
 
-    python -m benchmarks.update_memory [--engines vllm sglang] [--sizes 60M 180M] [--updates 5]
+    python -m benchmarks.update_memory [--engines vllm sglang] [--sizes 60M 160M] [--updates 5]
 
 Memory is the proportional set size (PSS) of the whole server process tree, so pages shared
 between processes (the weight arenas in /dev/shm, mapped by the HTTP server and the engine
@@ -119,7 +119,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", nargs="+", default=["vllm", "sglang"], choices=["vllm", "sglang"])
-    parser.add_argument("--sizes", nargs="+", default=["60M", "180M"], choices=list(SIZES))
+    parser.add_argument("--sizes", nargs="+", default=["60M", "160M"], choices=list(SIZES))
     parser.add_argument("--updates", type=int, default=5)
     parser.add_argument("--workdir")
     parser.add_argument("--json", default=str(DOCS / "update_memory.json"))

@@ -6,6 +6,7 @@ Layers, bottom up (a module imports only from its own layer or those below it)::
                  manifest         snapshot manifest, SnapshotKind, Encoding, validation (docs/FORMAT.md)
                  store_keys       where every key lives in a store
                  safetensors_io   the safetensors file format; checkpoint_dir: HF checkpoint folders
+                 signing          Ed25519 manifest signatures, trusted keys (docs/SECURITY.md)
                  dtypes, tensors, checksum, errors, settings
     stores       stores/          one async Store interface; file://, s3:// (aiobotocore),
                                   http(s):// (httpx, read only); retry: backoff with jitter
@@ -13,14 +14,19 @@ Layers, bottom up (a module imports only from its own layer or those below it)::
                  rebuild          fetch, decode and verify snapshots
                  commit           how ranks' parts become a manifest and move HEAD
                  publisher        the trainer side: background encode, upload, commit, notify
+                 retention        deleting snapshots no server needs (PublisherConfig.keep_bases)
     rollout      served_model     what a server runs; snapshots are checked against it
                  engine_adapter   the contract an engine adapter implements (EngineAdapter)
+                 arena            weight arenas: one flat buffer per dtype, a live and a spare copy
+                 torch_params     pointing an engine's parameters into an arena
                  swap             one update, all or nothing: stage, pause, swap, roll back, resume
                  subscriber       poll, plan, fetch, verify, then apply_update
                  metrics          Prometheus metrics of the subscriber
     serving      admin_routes     /delta_swap/status, /resync, /notify (FastAPI)
                  service          what an engine plugin calls: mount routes, start, stop
+                 version_tags     OpenAI responses tagged with the weight version that made them
                  testing          RecordingAdapter, a complete adapter with no engine
+    trainers     integrations/    HF Trainer / TRL callback, sharded (FSDP) ranks' own tensors
     tools        cli              the ``delta-swap`` command
 
 Engine adapters live outside the core: ``vllm_delta_plugin`` and ``sglang_delta_plugin``.

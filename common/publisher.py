@@ -30,8 +30,9 @@ from .chain import ChainReader
 from .checksum import checksum, sha256
 from .commit import Part, commit, try_commit
 from .errors import ChainError, ConfigError, CorruptDataError, NotFoundError, PublishError
-from .manifest import BlobEntry, Encoding, Manifest, TensorEntry, snapshot_id_for_step
+from .manifest import BlobEntry, Encoding, Manifest, SnapshotKind, TensorEntry, snapshot_id_for_step
 from .rebuild import rebuild
+from .retention import prune
 from .safetensors_io import write_safetensors
 from .signing import SigningKey
 from .stores import Store, open_store
@@ -63,6 +64,8 @@ class PublisherConfig:
     signing_key: str | None = None
     #: HEAD further ahead than this many steps of a new commit is taken for garbage and replaced.
     max_step_jump: int = 1_000_000
+    #: After each new base, delete snapshots older than the newest ``keep_bases`` bases (0 keeps all).
+    keep_bases: int = 0
     codec: codec.CodecConfig = field(default_factory=codec.CodecConfig)
 
 
@@ -104,6 +107,8 @@ class Publisher:
         self._last_step: int | None = None
         self._closed = False
         self.published: list[str] = []
+        #: The manifest of the newest snapshot this publisher committed (after :meth:`flush`).
+        self.last_manifest: Manifest | None = None
         # Owned by the background thread:
         self._prev_state: StateDict | None = None
         self._prev_id: str | None = None
@@ -211,8 +216,12 @@ class Publisher:
             committed = await try_commit(store, snapshot_id, cfg.world_size, sign, cfg.max_step_jump)
         if committed is not None and cfg.notify_urls:
             await notify(cfg.notify_urls, committed, token=self._notify_token)
+        if committed is not None and cfg.keep_bases and committed.kind is SnapshotKind.BASE:
+            await prune(store, cfg.keep_bases)
         self._prev_state, self._prev_id = job.state, snapshot_id
         self.published.append(snapshot_id)
+        if committed is not None:
+            self.last_manifest = committed
 
     async def _resume(self, store: Store, job: _Job) -> None:
         """Continue the chain in the store: deltas of the next steps are taken against its head.

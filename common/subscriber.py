@@ -61,6 +61,7 @@ class Subscriber:
         self._last_timings: dict[str, float] = {}
         self._last_path: list[str] = []
         self._updates = 0
+        self._paused_total = 0.0
         self._failures = 0
         self._metrics = subscriber_metrics()
 
@@ -216,6 +217,7 @@ class Subscriber:
         self._last_timings = timings
         self._last_path = [m.snapshot_id for m in path]
         self._updates += 1
+        self._paused_total += sum(timings.get(p, 0.0) for p in ("pause", "swap", "resume"))
         self._metrics.updates.inc()
         for phase, seconds in timings.items():
             self._metrics.phase_seconds.labels(phase).observe(seconds)
@@ -284,6 +286,8 @@ class Subscriber:
             "last_update_timings_s": {k: round(v, 6) for k, v in self._last_timings.items()},
             "last_update_path": self._last_path,
             "updates_applied": self._updates,
+            # Seconds the engine generated nothing because of updates (pause + swap + resume, summed).
+            "paused_seconds_total": round(self._paused_total, 6),
             "failures": self._failures,
             "engine": self.adapter.name,
             "drain": self.settings.drain.value,

@@ -194,19 +194,20 @@ def train(args: argparse.Namespace) -> list[StepLog]:
         for step in range(1, args.steps + 1):
             started = time.perf_counter()
             oldest_allowed = step - 1 - args.max_staleness
-            if pipeline is not None:  # rollouts were made while the previous steps trained
-                batches = pipeline.next(step)
-            else:
-                fleet.wait_for_step(max(0, oldest_allowed))
-                batches = sample_batch()
             rollouts, dropped = [], 0
-            for g, batch in enumerate(batches):
-                for prompt_ids, completion_ids, version in batch:
-                    if version is None or version < oldest_allowed:
-                        dropped += 1  # too old (or unknown): off-policy beyond the bound
-                        continue
-                    rollouts.append(Rollout(prompt_ids, completion_ids, digit_reward(tokenizer, completion_ids),
-                                            version, g))
+            while not rollouts:  # a batch made entirely of too-old rollouts is dropped; sample again
+                if pipeline is not None:  # rollouts were made while the previous steps trained
+                    batches = pipeline.next(step)
+                else:
+                    fleet.wait_for_step(max(0, oldest_allowed))
+                    batches = sample_batch()
+                for g, batch in enumerate(batches):
+                    for prompt_ids, completion_ids, version in batch:
+                        if version is None or version < oldest_allowed:
+                            dropped += 1  # too old (or unknown): off-policy beyond the bound
+                            continue
+                        rollouts.append(Rollout(prompt_ids, completion_ids,
+                                                digit_reward(tokenizer, completion_ids), version, g))
             loss = grpo_loss(policy, rollouts)
             optimizer.zero_grad()
             loss.backward()
@@ -240,10 +241,10 @@ class Pipeline:
     serves while the trainer trains, a bounded queue ahead; before each batch it waits until the
     fleet serves at least the oldest step the trainer will accept (bounded staleness)."""
 
-    def __init__(self, sample: Callable[[], list], fleet: Fleet, max_staleness: int, depth: int = 2) -> None:
+    def __init__(self, sample: Callable[[], list], fleet: Fleet, max_staleness: int, depth: int = 1) -> None:
         self.sample, self.fleet, self.max_staleness = sample, fleet, max_staleness
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
-        self.trainer_step = 1
+        self.next_step = 1  # the trainer step the batch being sampled now will feed
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -251,7 +252,7 @@ class Pipeline:
     def _run(self) -> None:
         while not self.stop.is_set():
             try:
-                self.fleet.wait_for_step(max(0, self.trainer_step - 1 - self.max_staleness))
+                self.fleet.wait_for_step(max(0, self.next_step - 1 - self.max_staleness))
                 batch = self.sample()
             except Exception as exc:  # surfaced to the trainer
                 batch = exc
@@ -263,7 +264,7 @@ class Pipeline:
                     continue
 
     def next(self, step: int) -> list:
-        self.trainer_step = step
+        self.next_step = step + 1  # set before taking a batch: the producer's next batch is for step+1
         batch = self.queue.get()
         if isinstance(batch, Exception):
             raise batch

@@ -86,6 +86,17 @@ async def test_resume_continues_the_chain_from_the_store(tmp_path) -> None:
     assert_state_equal((await rebuild(FileStore(tmp_path)))[1], steps[5])
 
 
+async def test_keep_bases_prunes_snapshots_no_server_needs(tmp_path) -> None:
+    steps = rl_steps(11)
+    ids = _publish(tmp_path, steps, base_every=3, keep_bases=2)
+    store = FileStore(tmp_path)
+    kept = [m.snapshot_id for m in await ChainReader(store).list()]
+    assert kept == ids[6:]  # bases at 0, 3, 6, 9: everything before the second newest base is gone
+    assert not [p for p in (tmp_path / "snapshots").iterdir() if p.name not in kept]  # no leftovers
+    for i in range(6, 11):
+        assert_state_equal((await rebuild(store, ids[i]))[1], steps[i])
+
+
 def test_errors_surface_instead_of_being_swallowed(tmp_path) -> None:
     steps = rl_steps(2)
     _publish(tmp_path, steps[:2])

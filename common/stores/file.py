@@ -126,7 +126,15 @@ class FileStore(Store):
         return sorted(keys)
 
     async def delete(self, key: str) -> None:
+        path = self._path(key)
         try:
-            self._path(key).unlink()
+            path.unlink()
         except FileNotFoundError:
-            pass
+            return
+        for folder in path.parents:  # folders left empty go too, as keys in a bucket would
+            if folder == self.root or self.root not in folder.parents:
+                break
+            try:
+                folder.rmdir()
+            except OSError:
+                break
