@@ -192,11 +192,13 @@ def arena_path(folder: str | os.PathLike[str], name: str) -> Path:
 
 
 def remove_stale_arenas(folder: str | os.PathLike[str]) -> list[Path]:
-    """Delete arena files left in ``folder`` by processes that no longer run (a killed server)."""
+    """Delete arena and layout files left in ``folder`` by processes that no longer run (a killed
+    server); their names carry the owner's pid: ``delta-swap-{arena,layout}-<pid>[-...]``."""
     removed = []
-    for path in Path(folder).glob("delta-swap-arena-*"):
+    stale = [*Path(folder).glob("delta-swap-arena-*"), *Path(folder).glob("delta-swap-layout-*")]
+    for path in stale:
         try:
-            pid = int(path.name.split("-")[3])
+            pid = int(path.name.split("-")[3].split(".")[0])
             os.kill(pid, 0)
         except (ValueError, IndexError):
             continue

@@ -216,3 +216,30 @@ async def test_an_engine_with_weight_arenas_gets_updates_decoded_into_its_spare_
     assert sorted(p.name for p in tmp_path.glob("delta-swap-arena-*"))
     await sub.stop()
     assert not list(tmp_path.glob("delta-swap-arena-*"))
+
+
+def test_files_left_by_killed_servers_are_removed_and_live_ones_kept(tmp_path) -> None:
+    """Arena and layout files carry their owner's pid; those of processes that are gone (a
+    SIGKILLed server) are deleted, those of running processes and foreign names are kept."""
+    import os
+    import subprocess
+    import sys
+
+    from delta_swap.arena import remove_stale_arenas
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(gone.stdout)
+    names = {
+        f"delta-swap-arena-{dead}-a": False,
+        f"delta-swap-layout-{dead}.json": False,
+        f"delta-swap-layout-{dead}-0a1b2c3d.json": False,
+        f"delta-swap-arena-{os.getpid()}-b": True,
+        f"delta-swap-layout-{os.getpid()}.json": True,
+        "delta-swap-layout-notapid.json": True,
+        "other-file": True,
+    }
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    removed = remove_stale_arenas(tmp_path)
+    assert sorted(p.name for p in removed) == sorted(n for n, keep in names.items() if not keep)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for n, keep in names.items() if keep)

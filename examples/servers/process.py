@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,34 +38,50 @@ class Server:
         except OSError:
             return ""
 
+    def wait_healthy(self, timeout_s: float = 300) -> Server:
+        """Wait until ``GET /health`` answers 200; raise (and stop the server) otherwise."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise RuntimeError(f"server not ready after {timeout_s}s:\n{self.log_tail()}")
+
     def stop(self) -> None:
+        """SIGTERM the server's process group, then SIGKILL whatever of it is left (an engine core
+        or worker can outlive the API server that started it)."""
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-
-
-def start_server(
-    argv: list[str], env: dict[str, str], log_path: Path, port: int, timeout_s: float = 300, python: str | None = None
-) -> Server:
-    """Run ``python argv...`` (default: this interpreter) in its own process group, with ``env``
-    added, and wait until ``GET /health`` on ``port`` answers 200."""
-    log = open(log_path, "wb")
-    proc = subprocess.Popen([python or sys.executable, *argv], env={**os.environ, **env}, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    server = Server(f"http://127.0.0.1:{port}", proc, log_path)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log_tail()}")
+                pass
         try:
-            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
             pass
-        time.sleep(1)
-    server.stop()
-    raise RuntimeError(f"server not ready after {timeout_s}s:\n{server.log_tail()}")
+        if self.proc.poll() is None:
+            self.proc.wait(10)
+
+
+def launch_server(argv: list[str], env: dict[str, str], log_path: Path, port: int, *, python: str | None = None,
+                  host: str = "127.0.0.1", prefix: Sequence[str] = ()) -> Server:
+    """Run ``[*prefix, python, *argv]`` (default python: this interpreter; a prefix such as
+    ``ip netns exec NS`` runs it elsewhere) in its own process group with ``env`` added; the server
+    is reached at ``host:port``. Returns at once."""
+    log = open(log_path, "wb")
+    proc = subprocess.Popen([*prefix, python or sys.executable, *argv], env={**os.environ, **env}, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    return Server(f"http://{host}:{port}", proc, log_path)
+
+
+def start_server(argv: list[str], env: dict[str, str], log_path: Path, port: int, timeout_s: float = 300,
+                 python: str | None = None, host: str = "127.0.0.1", prefix: Sequence[str] = ()) -> Server:
+    """:func:`launch_server`, then wait until ``GET /health`` answers 200."""
+    return launch_server(argv, env, log_path, port, python=python, host=host, prefix=prefix).wait_healthy(timeout_s)

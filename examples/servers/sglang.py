@@ -15,7 +15,7 @@ from pathlib import Path
 
 from delta_swap.settings import Settings
 
-from .process import Server, free_port, start_server
+from .process import Server, free_port, launch_server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,9 +32,9 @@ def python() -> str:
 
 
 def command(model: Path, port: int, *, served_name: str = "model", settings: Mapping[str, object] | None = None,
-            extra: Sequence[str] = ()) -> list[str]:
+            extra: Sequence[str] = (), bind: str = "127.0.0.1") -> list[str]:
     """Arguments after ``python`` that start SGLang's server on ``model`` (plugin flags from ``settings``)."""
-    argv = ["-m", "sglang.launch_server", "--model-path", str(model), "--host", "127.0.0.1", "--port", str(port),
+    argv = ["-m", "sglang.launch_server", "--model-path", str(model), "--host", bind, "--port", str(port),
             "--served-model-name", served_name, "--max-total-tokens", "4096", "--random-seed", "0"]
     if device() == "cpu":
         argv += ["--device", "cpu", "--attention-backend", "torch_native"]
@@ -61,10 +61,15 @@ def environment(*, plugin: bool = True, shim_log: Path | None = None) -> dict[st
 
 def start(model: Path, workdir: Path, *, settings: Mapping[str, object] | None = None, plugin: bool = True,
           served_name: str = "model", extra: Sequence[str] = (), env: Mapping[str, str] | None = None,
-          shim_log: Path | None = None, log_name: str = "sglang.log", timeout_s: float = 300) -> Server:
-    """Start SGLang on ``model`` and wait until it answers ``/health``."""
+          shim_log: Path | None = None, log_name: str = "sglang.log", timeout_s: float = 300, wait: bool = True,
+          host: str = "127.0.0.1", prefix: Sequence[str] = ()) -> Server:
+    """Start SGLang on ``model`` and (with ``wait``) wait until it answers ``/health``. With a
+    ``prefix`` (e.g. ``ip netns exec NS``) it runs there; reached at a ``host`` other than
+    loopback, it listens on every address."""
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     full_env = {**environment(plugin=plugin, shim_log=shim_log), **(env or {})}
-    argv = command(model, port, served_name=served_name, settings=settings if plugin else None, extra=extra)
-    return start_server(argv, full_env, workdir / log_name, port, timeout_s=timeout_s, python=python())
+    argv = command(model, port, served_name=served_name, settings=settings if plugin else None, extra=extra,
+                   bind="127.0.0.1" if host == "127.0.0.1" else "0.0.0.0")
+    server = launch_server(argv, full_env, workdir / log_name, port, python=python(), host=host, prefix=prefix)
+    return server.wait_healthy(timeout_s) if wait else server

@@ -13,13 +13,13 @@ from pathlib import Path
 
 from delta_swap.settings import Settings
 
-from .process import Server, free_port, start_server
+from .process import Server, free_port, launch_server
 
 
 def command(model: Path, port: int, *, served_name: str = "model", plugin: bool = True,
-            extra: Sequence[str] = ()) -> list[str]:
+            extra: Sequence[str] = (), bind: str = "127.0.0.1") -> list[str]:
     """Arguments after ``python`` that start vLLM's OpenAI server on ``model``."""
-    argv = ["-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
+    argv = ["-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", bind,
             "--port", str(port), "--served-model-name", served_name, "--enforce-eager", "--dtype", "bfloat16",
             "--max-model-len", "1024", "--seed", "0", "--enable-scale-out"]
     if plugin:
@@ -39,10 +39,15 @@ def environment(workdir: Path, *, plugin: bool = True, settings: Mapping[str, ob
 
 def start(model: Path, workdir: Path, *, settings: Mapping[str, object] | None = None, plugin: bool = True,
           served_name: str = "model", extra: Sequence[str] = (), env: Mapping[str, str] | None = None,
-          log_name: str = "vllm.log", timeout_s: float = 300) -> Server:
-    """Start vLLM on ``model`` and wait until it answers ``/health``."""
+          log_name: str = "vllm.log", timeout_s: float = 300, wait: bool = True, host: str = "127.0.0.1",
+          prefix: Sequence[str] = ()) -> Server:
+    """Start vLLM on ``model`` and (with ``wait``) wait until it answers ``/health``. With a
+    ``prefix`` (e.g. ``ip netns exec NS``) it runs there; reached at a ``host`` other than
+    loopback, it listens on every address."""
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     full_env = {**environment(workdir, plugin=plugin, settings=settings), **(env or {})}
-    return start_server(command(model, port, served_name=served_name, plugin=plugin, extra=extra), full_env,
-                        workdir / log_name, port, timeout_s=timeout_s)
+    argv = command(model, port, served_name=served_name, plugin=plugin, extra=extra,
+                   bind="127.0.0.1" if host == "127.0.0.1" else "0.0.0.0")
+    server = launch_server(argv, full_env, workdir / log_name, port, host=host, prefix=prefix)
+    return server.wait_healthy(timeout_s) if wait else server
