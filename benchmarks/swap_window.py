@@ -46,8 +46,9 @@ def measure(engine: str, size: str, work: Path, updates: int) -> dict:
         with engine_server(engine, model, run / "server", store=run / "store") as server:
             wait_step(server.url, 0)
             for _ in range(updates):
+                trainer.advance()  # the synthetic training step is not part of the latency
                 start = time.perf_counter()
-                publish_s = trainer.publish_next()
+                publish_s = trainer.publish_current()
                 st = wait_step(server.url, trainer.step)
                 timings = st["last_update_timings_s"]
                 rows["updates"].append({"window_s": sum(timings.get(p, 0.0) for p in WINDOW_PHASES),

@@ -84,7 +84,8 @@ def run_mode(engine: str, model: Path, work: Path, mode: str | None, args: argpa
     """One server, one window of load; ``mode`` None is the baseline without updates."""
     run = work / f"{engine}-{mode or 'baseline'}"
     trainer = Trainer(model, run / "store")
-    settings = {"drain": mode or "keep", "drain_timeout": 60}
+    drain_timeout = 60.0
+    settings = {"drain": mode or "keep", "drain_timeout": drain_timeout}
     try:
         with engine_server(engine, model, run / "server", store=run / "store", settings=settings) as server:
             wait_step(server.url, 0)
@@ -97,7 +98,8 @@ def run_mode(engine: str, model: Path, work: Path, mode: str | None, args: argpa
                 time.sleep(min(args.interval, max(0.0, start + args.seconds - time.monotonic())))
                 if mode is not None and time.monotonic() - start < args.seconds - 1:
                     trainer.publish_next()
-                    st = wait_step(server.url, trainer.step, timeout=args.interval * 6)
+                    # wait mode may drain for up to drain_timeout before the swap even starts
+                    st = wait_step(server.url, trainer.step, timeout=drain_timeout + args.interval * 6)
                     t = st["last_update_timings_s"]
                     windows.append(sum(t.get(p, 0.0) for p in ("pause", "swap", "resume")))
             end = time.monotonic()
@@ -174,8 +176,8 @@ def main() -> None:
         for mode in [None, *args.modes]:
             rows.append(run_mode(engine, model, work, mode, args))
             print(summarize(rows)[-1], flush=True)
+            Path(args.json).write_text(json.dumps(rows, indent=1))  # what ran so far survives a later failure
     print("\n".join(summarize(rows)))
-    Path(args.json).write_text(json.dumps(rows, indent=1))
     mb = model_bytes(model) / 1e6
     plot(rows, Path(args.plot), f"Steady streaming load, {args.streams} x {args.max_tokens}-token completions, an update "
                                 f"every {args.interval:g} s ({mb:.0f} MB model, CPU)")

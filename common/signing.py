@@ -121,6 +121,7 @@ def generate_keypair(path: str | os.PathLike[str]) -> tuple[Path, Path]:
     pub_path = key_path.with_name(key_path.name + ".pub")
     if key_path.exists():
         raise ConfigError(f"{key_path} exists; refusing to overwrite a key")
+    key_path.parent.mkdir(parents=True, exist_ok=True)
     private = Ed25519PrivateKey.generate()
     pem = private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                 serialization.NoEncryption())
