@@ -15,9 +15,9 @@ deltas in between). The servers pull each step, verify it and swap it in while t
 
 Off-policy control: before sampling for step s the trainer waits until every server serves at least
 step s-1-k (``--max-staleness k``, read from ``/delta_swap/status``), and it drops any rollout made by
-an older snapshot (it reports how many). With ``--async-rollouts`` the next batches are sampled
-while the trainer trains, as production RL systems do, so rollouts lag a step or more behind and
-the bound does real work. The loop prints, per step, the reward, the snapshots the
+an older snapshot (it reports how many). By default the next batch is sampled while the trainer
+trains (``--no-async-rollouts`` turns that off), as production RL systems do, so rollouts lag a
+step behind and the bound does real work. The loop prints, per step, the reward, the snapshots the
 rollouts came from, their staleness (trainer step minus rollout version, p50/max), the servers'
 last swap window and the bytes published, and writes a PNG of reward and staleness over steps.
 """
@@ -304,7 +304,7 @@ def plot(logs: list[StepLog], path: Path, title: str) -> None:
     ax2.set_ylim(-0.2, max(2, max(max(log.staleness or [0]) for log in logs)) + 0.5)
     lines = ax.get_legend_handles_labels()
     lines2 = ax2.get_legend_handles_labels()
-    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="center right")
+    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], fontsize=8, loc="upper left")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -322,8 +322,9 @@ def main(argv: list[str] | None = None) -> list[StepLog]:
     parser.add_argument("--base-every", type=int, default=10)
     parser.add_argument("--max-staleness", type=int, default=1,
                         help="k: sample step s only once the fleet serves step s-1-k; drop older rollouts")
-    parser.add_argument("--async-rollouts", action="store_true",
-                        help="sample the next batches while the trainer trains (rollouts then lag behind)")
+    parser.add_argument("--async-rollouts", action=argparse.BooleanOptionalAction, default=True,
+                        help="sample the next batch while the trainer trains (rollouts then lag behind); "
+                             "--no-async-rollouts samples only once the fleet serves the newest step")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir")
     parser.add_argument("--plot", help="where the reward/staleness PNG goes (default: the work folder)")
@@ -337,8 +338,10 @@ def main(argv: list[str] | None = None) -> list[StepLog]:
     print(f"\nreward {first:.3f} -> {last:.3f} over {len(logs)} steps; {published / 1e6:.2f} MB published in "
           f"{len(logs)} snapshots; max staleness {max(max(log.staleness or [0]) for log in logs)} "
           f"(bound {args.max_staleness}); {sum(log.dropped for log in logs)} rollouts dropped")
-    plot(logs, Path(args.plot), f"GRPO on a live {args.engine} fleet, hot-swapped every step "
-                                f"(max staleness {args.max_staleness})")
+    engines = {"vllm": "vLLM", "sglang": "SGLang", "both": "vLLM + SGLang"}[args.engine]
+    mode = "asynchronous rollouts" if args.async_rollouts else "synchronous rollouts"
+    plot(logs, Path(args.plot), f"GRPO on a live {engines} fleet, hot-swapped every step "
+                                f"({mode}, max staleness {args.max_staleness})")
     print(f"wrote {args.plot}")
     return logs
 
