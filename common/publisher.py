@@ -268,7 +268,7 @@ class Publisher:
             if np.array_equal(old.data, new.data):
                 entries.append(TensorEntry(name, new.dtype, new.shape, Encoding.SAME, digest))
                 continue
-            payload = codec.encode_tensor_delta(old.data, new.data, new.dtype, cfg.codec)
+            payload = codec.encode_tensor_delta(old.data, new.data, new.dtype, cfg.codec, shape=new.shape)
             encoding = codec.payload_method(payload)
             entries.append(TensorEntry(name, new.dtype, new.shape, encoding, digest, shard, buf.tell(), len(payload)))
             buf.write(payload)

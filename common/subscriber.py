@@ -18,6 +18,7 @@ import re
 import time
 from typing import Any
 
+from . import codec
 from .chain import ChainReader
 from .engine_adapter import EngineAdapter, WeightUpdate
 from .errors import ChainError, ConfigError, DeltaSwapError, EngineStateUnknownError
@@ -88,8 +89,10 @@ class Subscriber:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        """Start polling in the background on the running event loop."""
+        """Start polling in the background on the running event loop (and load the codec's
+        compiled kernels in a thread, so the first delta does not wait for the JIT)."""
         if self._task is None:
+            codec.start_warm_up()
             self._task = asyncio.get_running_loop().create_task(self._poll_forever(), name="delta-swap-subscriber")
 
     async def stop(self) -> None:
