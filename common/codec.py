@@ -59,23 +59,34 @@ def _v2() -> ModuleType:
     return _v2_module
 
 
-def warm_up() -> None:
-    """Compile (or load from the on-disk cache) codec v2's kernels now."""
-    _v2().warm_up()
+def warm_up(encoder: bool = True) -> None:
+    """Compile (or load from the on-disk cache) codec v2's decoder kernels now, and its encoder's
+    unless ``encoder`` is False (a server only decodes)."""
+    _v2().warm_up(encoder)
 
 
-def start_warm_up() -> threading.Thread:
-    """:func:`warm_up` in a daemon thread (returned, already started); errors there are ignored,
-    since the first real payload compiles what it needs anyway."""
+_warm_up_lock = threading.Lock()
+_warm_up_threads: dict[bool, threading.Thread] = {}
+
+
+def start_warm_up(encoder: bool = True) -> threading.Thread:
+    """:func:`warm_up` in a daemon thread (returned, already started), once per process; errors
+    there are ignored, since the first real payload compiles what it needs anyway. Cold (nothing
+    cached yet) this takes ~15 s of one core for the decoder and ~30 s with the encoder; with the
+    cache, under a second (benchmarks/README.md)."""
 
     def run() -> None:
         try:
-            warm_up()
+            warm_up(encoder)
         except Exception:  # noqa: BLE001 - best effort: decoding works without it
             pass
 
-    thread = threading.Thread(target=run, name="delta-swap-codec-warm-up", daemon=True)
-    thread.start()
+    with _warm_up_lock:
+        thread = _warm_up_threads.get(encoder) or _warm_up_threads.get(True)
+        if thread is None:
+            thread = threading.Thread(target=run, name="delta-swap-codec-warm-up", daemon=True)
+            thread.start()
+            _warm_up_threads[encoder] = thread
     return thread
 
 

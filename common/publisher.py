@@ -116,6 +116,8 @@ class Publisher:
         self._resumed = False
         self._thread = threading.Thread(target=self._run, name=f"delta-swap-publisher-{config.rank}", daemon=True)
         self._thread.start()
+        if config.codec.version >= 2:
+            codec.start_warm_up()  # the first delta comes after a base: compile meanwhile
 
     # ------------------------------------------------------------------ caller side
 

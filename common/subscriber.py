@@ -92,7 +92,7 @@ class Subscriber:
         """Start polling in the background on the running event loop (and load the codec's
         compiled kernels in a thread, so the first delta does not wait for the JIT)."""
         if self._task is None:
-            codec.start_warm_up()
+            codec.start_warm_up(encoder=False)
             self._task = asyncio.get_running_loop().create_task(self._poll_forever(), name="delta-swap-subscriber")
 
     async def stop(self) -> None:

@@ -198,6 +198,35 @@ def test_decoding_on_threads_matches_serial(rng) -> None:
         assert np.array_equal(out, cases[i % 4][1])
 
 
+def test_decoder_only_warm_up_decodes_its_stored_payloads() -> None:
+    """Servers warm up without compiling the encoder: from payloads stored in codec_v2, which
+    must keep decoding to the tensors warm_up regenerates (else it raises)."""
+    codec.warm_up(encoder=False)
+    for dtype in codec_v2.FLOATS:
+        old, new = codec_v2._warm_up_tensors(dtype)
+        assert (old != new).any()
+    first = codec.start_warm_up(encoder=False)
+    assert codec.start_warm_up(encoder=False) is first  # once per process
+    first.join(timeout=60)
+    assert not first.is_alive()
+
+
+def test_numba_cache_falls_back_to_a_temp_folder_when_nothing_else_is_writable(monkeypatch, tmp_path) -> None:
+    import numba.core.config
+
+    monkeypatch.setattr(numba.core.config, "CACHE_DIR", numba.core.config.CACHE_DIR)  # restored afterwards
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home-cache"))
+    monkeypatch.setattr(codec_v2.os, "access", lambda path, mode: False)  # a read-only install and home
+    monkeypatch.setattr(codec_v2.tempfile, "gettempdir", lambda: str(tmp_path))
+    codec_v2._ensure_numba_cache_dir()
+    assert numba.core.config.CACHE_DIR.startswith(str(tmp_path / "delta-swap-numba-"))
+    monkeypatch.setattr(codec_v2.os, "access", lambda path, mode: True)  # a writable package folder
+    numba.core.config.CACHE_DIR = ""
+    codec_v2._ensure_numba_cache_dir()
+    assert numba.core.config.CACHE_DIR == ""
+
+
 # ------------------------------------------------------------------------------ stored v1 payloads
 
 
