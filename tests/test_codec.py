@@ -449,3 +449,61 @@ def test_header_layout_is_stable() -> None:
 def test_unknown_codec_version_is_a_config_error() -> None:
     with pytest.raises(ValueError):
         codec.CodecConfig(version=3)
+
+
+# ------------------------------------------------------------------------------ the specification
+
+
+def _spec_cases() -> list[tuple[np.ndarray, bytes, str]]:
+    rng = np.random.default_rng(21)
+    cases = []
+    for dtype, shape, frac, max_step, rows in (("BF16", (8, 256), 0.05, 1, 0.5), ("BF16", (6, 300), 0.5, 3, 0.0),
+                                               ("BF16", (4, 512), 0.2, 5000, 0.5), ("F16", (5, 260), 0.1, 40, 0.3),
+                                               ("F32", (3, 400), 0.08, 100000, 0.0), ("BF16", (1,), 1.0, 1, 0.0)):
+        old, new = _weights(rng, dtype, shape, frac, dead_rows=rows, max_step=max_step)
+        cases.append((old, codec.encode_tensor_delta(old, new, dtype, codec.CodecConfig(dense_fraction=2.0), shape=shape), dtype))
+    for dtype in ("BF16", "F16", "F32"):
+        vals = _special(dtype)
+        cases.append((vals.view(np.uint8).copy(), codec.encode_tensor_delta(vals.view(np.uint8), np.roll(vals, 5).view(np.uint8).copy(),
+                                                                            dtype, codec.CodecConfig(dense_fraction=2.0)), dtype))
+    old, new = _pair(rng, "I16", 500, 0.1, small=False)
+    cases.append((old, codec.encode_tensor_delta(old, new, "I16"), "I16"))
+    cases.append((old, codec.encode_full(new, "BF16"), "BF16"))
+    return cases
+
+
+def test_docs_format_md_is_enough_to_decode_v2() -> None:
+    """tests/support/ref_decoder_v2.py was written from docs/FORMAT.md alone: it must rebuild
+    exactly what the codec rebuilds, and refuse what the codec refuses."""
+    from tests.support import ref_decoder_v2 as ref
+
+    cases = _spec_cases()
+    modes = set()
+    for old, payload, dtype in cases:
+        modes.add(payload[4])
+        assert ref.decode(old.tobytes(), payload, dtype) == codec.decode(old, payload, dtype, old.size).tobytes()
+    assert modes == {0, 1, 2}
+    rng = np.random.default_rng(5)
+    outcomes = {"both refuse": 0, "same bytes": 0}
+    for _ in range(150):
+        old, payload, dtype = cases[int(rng.integers(len(cases)))]
+        bad = bytearray(payload)
+        for _ in range(int(rng.integers(1, 3))):
+            bad[int(rng.integers(min(len(bad), 60) if rng.random() < 0.5 else len(bad)))] ^= 1 << int(rng.integers(8))
+        try:
+            ours = codec.decode(old, bytes(bad), dtype, old.size).tobytes()
+        except CorruptDataError:
+            ours = None
+        try:
+            theirs = ref.decode(old.tobytes(), bytes(bad), dtype)
+        except (ref.Bad, zstandard_error()):
+            theirs = None
+        assert ours == theirs
+        outcomes["both refuse" if ours is None else "same bytes"] += 1
+    assert min(outcomes.values()) > 0
+
+
+def zstandard_error() -> type[Exception]:
+    import zstandard
+
+    return zstandard.ZstdError
