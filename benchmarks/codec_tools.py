@@ -109,19 +109,21 @@ def constriction_mask(cks: list[dict[str, torch.Tensor]]) -> dict[str, float]:
 
 _C_WALK = r"""
 #include <stdint.h>
-int64_t walk_bf16(uint16_t *out, int64_t n, const int64_t *lut, int64_t D, const uint8_t *row_dead,
-                  int64_t n_rows, int64_t row_len, int64_t *cnt, int64_t *evp, const int64_t *ev,
-                  int64_t *vp, const int64_t *vend, const int64_t *vals) {
+/* codec v2's pass for bf16, as codec_v2._make_walk (unsigned indices, as there) */
+int64_t walk_bf16(uint16_t *out, uint64_t n, const uint64_t *lut, uint64_t D, const uint8_t *row_dead,
+                  uint64_t n_rows, uint64_t row_len, uint64_t *cnt, uint64_t *evp, const int64_t *ev,
+                  uint64_t *vp, const uint64_t *vend, const int64_t *vals) {
     int64_t bad = 0;
-    for (int64_t r = 0; r < n_rows; r++) {
+    for (uint64_t r = 0, s = 0; r < n_rows; r++) {
+        uint64_t e = s + row_len < n ? s + row_len : n, i = s;
+        s = e;
         if (row_dead[r]) continue;
-        int64_t s = r * row_len, e = s + row_len < n ? s + row_len : n;
-        for (int64_t i = s; i < e; i++) {
-            int64_t x = out[i], c = lut[x >> 7], t = cnt[c], q;
+        for (; i < e; i++) {
+            uint64_t x = out[i], c = lut[x >> 7], t = cnt[c], q;
             cnt[c] = t - 1;
             if (t == 0) {
-                int64_t p = evp[c];
-                cnt[c] = ev[p];
+                uint64_t p = evp[c];
+                cnt[c] = (uint64_t)ev[p];
                 evp[c] = p + 1;
                 if (c >= D) continue;
                 q = vp[c]++;
@@ -132,7 +134,8 @@ int64_t walk_bf16(uint16_t *out, int64_t n, const int64_t *lut, int64_t D, const
                 if (q >= vend[c]) return -10;
                 vp[c] = q + 1;
             }
-            int64_t k = (x ^ (0x8000 | ((-(x >> 15)) & 0x7FFF))) + vals[q];
+            int64_t xi = (int64_t)x;
+            int64_t k = (xi ^ (0x8000 | ((-(xi >> 15)) & 0x7FFF))) + vals[q];
             bad |= k | (0xFFFF - k);
             out[i] = (uint16_t)(k ^ (0x8000 | ((-(1 - (k >> 15))) & 0x7FFF)));
         }
