@@ -1053,6 +1053,15 @@ def _header(method: int, width: int, n: int) -> bytes:
     return MAGIC + bytes([method, width, 0]) + _varint(n)
 
 
+def _readonly(arr: np.ndarray, dtype: type) -> np.ndarray:
+    """A read-only view: numba compiles one specialisation per array mutability, so every
+    input reaches the kernels read-only (bytes, mmapped files and writable arrays alike) and
+    the kernels warm_up compiled are the ones real payloads use."""
+    view = arr.view(dtype)
+    view.flags.writeable = False
+    return view
+
+
 def _check_bytes(arr: np.ndarray, what: str) -> np.ndarray:
     if not isinstance(arr, np.ndarray) or arr.dtype != np.uint8 or arr.ndim != 1:
         raise ValueError(f"{what} must be a 1-D uint8 array of raw tensor bytes")
@@ -1270,7 +1279,7 @@ def encode_delta(old: np.ndarray, new: np.ndarray, dtype: str, shape: tuple[int,
     width = _width(dtype, new.size)
     n = new.size // width
     if dtype in FLOATS:
-        payload, n_changed = _encode_ulp(old.view(_UINT[width]), new.view(_UINT[width]), dtype, shape)
+        payload, n_changed = _encode_ulp(_readonly(old, _UINT[width]), _readonly(new, _UINT[width]), dtype, shape)
         if n_changed > dense_fraction * n:
             full = encode_full(new, dtype, zstd_level)
             if len(full) < len(payload):
@@ -1347,7 +1356,7 @@ def decode_into(out: np.ndarray, payload: bytes | memoryview, dtype: str) -> Non
         raise CorruptDataError(f"unknown v2 payload method {method}")
     if dtype not in FLOATS:
         raise CorruptDataError(f"ULP payload for the non-float dtype {dtype}")
-    _apply_ulp(np.frombuffer(view, np.uint8), rd.p, out.view(_UINT[width]), dtype)
+    _apply_ulp(_readonly(np.frombuffer(view, np.uint8), np.uint8), rd.p, out.view(_UINT[width]), dtype)
 
 
 def _warm_up_tensors(dtype: str) -> tuple[np.ndarray, np.ndarray]:
