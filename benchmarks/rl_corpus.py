@@ -1,5 +1,7 @@
 """A small, realistic RL-like checkpoint corpus for benchmarking weight-delta codecs.
 
+Two model shapes: ``llama`` (the default, 7M parameters) and ``qwen2`` (a 27M-parameter
+Qwen2-style model: attention biases, wider MLP, 8 layers), so a codec is not tuned to one shape.
 A Llama-style model (GQA, byte-level BPE vocabulary trained offline on the Python standard library's
 source) is briefly pretrained on that text, then fine-tuned once per learning rate with a fresh AdamW
 optimizer on fp32 master weights and a policy-gradient-like objective: per-sequence advantage-weighted
@@ -32,6 +34,7 @@ StateDict = dict[str, torch.Tensor]
 class CorpusConfig:
     """Model, data and optimisation parameters of the corpus; all of them key the cache."""
 
+    architecture: str = "llama"  # or "qwen2"
     hidden_size: int = 320
     intermediate_size: int = 864
     num_layers: int = 4
@@ -56,10 +59,19 @@ def cache_root() -> Path:
     return Path(base) / "rl-corpus"
 
 
+#: The learning rates and configuration of each corpus: ``python -m benchmarks.codec_bench --corpus NAME``.
+CORPORA: dict[str, tuple[CorpusConfig, tuple[float, ...]]] = {
+    "llama": (CorpusConfig(), (1e-6, 3e-6, 1e-5)),
+    "qwen2": (CorpusConfig(architecture="qwen2", hidden_size=512, intermediate_size=1408, num_layers=8,
+                           num_heads=8, num_kv_heads=2, vocab_size=4096, seed=7), (3e-6, 1e-5)),
+}
+
+
 def _config_key(config: CorpusConfig) -> str:
-    blob = json.dumps(
-        {"v": CORPUS_VERSION, "py": sys.version_info[:2], **dataclasses.asdict(config)}, sort_keys=True
-    )
+    fields = dataclasses.asdict(config)
+    if fields["architecture"] == "llama":  # corpora cached before the field existed keep their key
+        del fields["architecture"]
+    blob = json.dumps({"v": CORPUS_VERSION, "py": sys.version_info[:2], **fields}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -100,6 +112,22 @@ def _sequence_nll(model: torch.nn.Module, windows: torch.Tensor) -> torch.Tensor
 
 
 def _new_model(config: CorpusConfig) -> torch.nn.Module:
+    if config.architecture == "qwen2":
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        qwen_config = Qwen2Config(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_hidden_layers=config.num_layers,
+            num_attention_heads=config.num_heads,
+            num_key_value_heads=config.num_kv_heads,
+            max_position_embeddings=config.seq_len,
+            tie_word_embeddings=False,
+        )
+        return Qwen2ForCausalLM(qwen_config).float()
+    if config.architecture != "llama":
+        raise ValueError(f"unknown architecture {config.architecture!r}")
     from transformers import LlamaConfig, LlamaForCausalLM
 
     model_config = LlamaConfig(
@@ -195,5 +223,7 @@ def rl_checkpoints(
 
 
 if __name__ == "__main__":
-    for lr, paths in build_corpus().items():
-        print(f"lr={lr:g}: {len(paths)} checkpoints in {paths[0].parent}")
+    name = sys.argv[1] if len(sys.argv) > 1 else "llama"
+    config, lrs = CORPORA[name]
+    for lr, paths in build_corpus(lrs, 4, config).items():
+        print(f"{name} lr={lr:g}: {len(paths)} checkpoints in {paths[0].parent}")

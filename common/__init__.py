@@ -2,7 +2,8 @@
 
 Layers, bottom up (a module imports only from its own layer or those below it)::
 
-    format       codec            lossless tensor codec (sparse ULP deltas, byte planes, zstd)
+    format       codec            lossless tensor codec: codec_v2 (exponent-classed ULP deltas, numba),
+                                  codec_v1 (byte planes + zstd, read for old stores)
                  manifest         snapshot manifest, SnapshotKind, Encoding, validation (docs/FORMAT.md)
                  store_keys       where every key lives in a store
                  safetensors_io   the safetensors file format; checkpoint_dir: HF checkpoint folders

@@ -20,7 +20,10 @@ from .dtypes import dtype_size
 from .errors import CorruptDataError, FormatVersionError
 
 FORMAT_NAME = "delta-swap"
-FORMAT_VERSION = 1
+#: Written by this build: 2 = tensor payloads may use codec v2 (``DSC2``).
+FORMAT_VERSION = 2
+#: Read by this build: version 1 stores (codec v1 payloads only) stay readable.
+READABLE_FORMAT_VERSIONS = (1, 2)
 
 
 class SnapshotKind(str, Enum):
@@ -180,8 +183,9 @@ def _parse_manifest(doc: Any) -> Manifest:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise CorruptDataError("not a delta-swap manifest")
     version = doc.get("format_version")
-    if version != FORMAT_VERSION:
-        raise FormatVersionError(f"unsupported format version {version!r} (this build reads {FORMAT_VERSION})")
+    if type(version) is not int or version not in READABLE_FORMAT_VERSIONS:
+        raise FormatVersionError(f"unsupported format version {version!r} (this build reads "
+                                 f"{', '.join(map(str, READABLE_FORMAT_VERSIONS))})")
     try:
         kind = _enum(SnapshotKind, doc["kind"], "snapshot kind")
         prev = doc["prev_snapshot_id"]
@@ -200,6 +204,7 @@ def _parse_manifest(doc: Any) -> Manifest:
             files=tuple(_parse_blob(b, "file") for b in _list(doc.get("files", []), "files")),
             created_at=_finite(doc.get("created_at", 0.0), "created_at"),
             metadata=_metadata(doc.get("metadata", {})),
+            format_version=version,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptDataError(f"malformed manifest: {exc!r:.200}") from None

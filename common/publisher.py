@@ -116,6 +116,8 @@ class Publisher:
         self._resumed = False
         self._thread = threading.Thread(target=self._run, name=f"delta-swap-publisher-{config.rank}", daemon=True)
         self._thread.start()
+        if config.codec.version >= 2:
+            codec.start_warm_up()  # the first delta comes after a base: compile meanwhile
 
     # ------------------------------------------------------------------ caller side
 
@@ -268,7 +270,7 @@ class Publisher:
             if np.array_equal(old.data, new.data):
                 entries.append(TensorEntry(name, new.dtype, new.shape, Encoding.SAME, digest))
                 continue
-            payload = codec.encode_tensor_delta(old.data, new.data, new.dtype, cfg.codec)
+            payload = codec.encode_tensor_delta(old.data, new.data, new.dtype, cfg.codec, shape=new.shape)
             encoding = codec.payload_method(payload)
             entries.append(TensorEntry(name, new.dtype, new.shape, encoding, digest, shard, buf.tell(), len(payload)))
             buf.write(payload)

@@ -18,6 +18,7 @@ import re
 import time
 from typing import Any
 
+from . import codec
 from .chain import ChainReader
 from .engine_adapter import EngineAdapter, WeightUpdate
 from .errors import ChainError, ConfigError, DeltaSwapError, EngineStateUnknownError
@@ -51,6 +52,7 @@ class Subscriber:
         self._phase: str | None = None
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._stopping = False
         self._state: StateDict | None = None
         self._current: Manifest | None = None
         self._newest: Manifest | None = None
@@ -88,11 +90,14 @@ class Subscriber:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        """Start polling in the background on the running event loop."""
+        """Start polling in the background on the running event loop (and load the codec's
+        compiled kernels in a thread, so the first delta does not wait for the JIT)."""
         if self._task is None:
+            codec.start_warm_up(encoder=False)
             self._task = asyncio.get_running_loop().create_task(self._poll_forever(), name="delta-swap-subscriber")
 
     async def stop(self) -> None:
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
             try:
@@ -109,7 +114,10 @@ class Subscriber:
         self._wake.set()
 
     async def _poll_forever(self) -> None:
-        while True:
+        # The flag, not only the cancellation, ends the loop: on Python < 3.12, asyncio.wait_for
+        # swallows a cancellation that arrives just as the wake event fires (CPython gh-86296),
+        # and stop() would then wait for a whole poll interval.
+        while not self._stopping:
             await self.sync()
             try:
                 await asyncio.wait_for(self._wake.wait(), self.settings.poll_interval)

@@ -104,7 +104,9 @@ async def test_resync_reloads_from_the_base_and_out_of_order_deltas_are_refused(
     doc["prev_snapshot_id"] = "step-0000000001"  # claims to follow an older snapshot
     manifest.write_text(json.dumps(doc))
     assert not await sub.sync()
-    assert sub.current.step == 2 and "Checksum" in sub.status()["last_error"]
+    # refused: by the checksums (codec v1), or already by the decoder, since codec v2's classes
+    # depend on the old tensor and a delta applied to another state does not add up
+    assert sub.current.step == 2 and sub.status()["last_error"].startswith(("ChecksumMismatchError", "CorruptDataError"))
     await sub.stop()
     assert_state_equal(engine.weights, steps[2])
 
