@@ -315,7 +315,7 @@ def _pct(values: list[float], q: float) -> float:
 
 def print_table(rows: list[dict]) -> None:
     head = (f"{'path':<7}{'phase':<7}{'region':<8}{'engine':<8}{'stale steps p50/p95':>20}{'stale s p50/p95':>17}"
-            f"{'generating':>11}{'pause ms p50/max':>18}{'served/failed':>14}{'MB moved':>10}{'MB model':>10}")
+            f"{'generating':>11}{'pause ms p50/max':>18}{'served/failed':>14}{'MB moved':>10}{'MB formula':>11}")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -324,7 +324,7 @@ def print_table(rows: list[dict]) -> None:
               f"{r['stale_steps_p50']:>11.0f}/{r['stale_steps_p95']:<8.0f}"
               f"{r['stale_s_p50']:>9.1f}/{r['stale_s_p95']:<7.1f}{gen:>11}"
               f"{r['swap_pause_ms_p50']:>10.0f}/{r['swap_pause_ms_max']:<7.0f}"
-              f"{r['served']:>9}/{r['failed']:<4}{r['bytes_moved'] / 1e6:>10.1f}{r['bytes_model'] / 1e6:>10.1f}")
+              f"{r['served']:>9}/{r['failed']:<4}{r['bytes_moved'] / 1e6:>10.1f}{r['bytes_model'] / 1e6:>11.1f}")
 
 
 def plot(runs: list[dict], path: Path) -> None:
