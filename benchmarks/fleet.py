@@ -7,7 +7,9 @@ What runs (everything is removed at the end, also on failure or Ctrl-C):
 
 - moto's S3 server on the host (the bucket; anonymous reads allowed by a bucket policy, as a
   region's cache would have through a VPC endpoint; snapshots are signed, so integrity does not
-  rest on the bucket);
+  rest on the bucket). The trainer writes through its S3 API; reads go through an nginx on the
+  bucket's side, because moto copies a whole object to answer each ranged GET (seconds per
+  request for a 200 MB shard here, which S3 does not do);
 - the trainer (:mod:`benchmarks.fleet_trainer`), a separate process publishing through the
   Publisher: a base, then a delta chain for ``--steps`` steps (phase ``delta``), then a full base
   at every step (phase ``full``), ``--every`` seconds apart;
@@ -15,7 +17,8 @@ What runs (everything is removed at the end, also on failure or Ctrl-C):
   with ``tc tbf`` (:mod:`benchmarks.netlab`); in each, ``--servers`` rollout servers (vLLM with
   the plugin; SGLang in the last region), each under a steady stream of client requests;
 - per path: ``cache``: an nginx caching proxy in each region (:mod:`benchmarks.regional_cache`),
-  the servers reading ``http://`` through it; ``direct``: every server reading ``s3://`` itself.
+  the servers reading ``http://`` through it; ``direct``: every server reading the bucket itself
+  (over ``http://``, anonymously, as the caches do).
 
 Printed per path, phase and region: staleness (steps and seconds behind the trainer, p50/p95,
 sampled from each server's status), the fraction of wall time the servers were not paused for
@@ -140,14 +143,14 @@ class Load:
 # ---------------------------------------------------------------------- one run per path
 
 
-def run_path(cfg: Config, path: str, work: Path, model: Path, sites: list[Site], moto_port: int,
+def run_path(cfg: Config, path: str, work: Path, model: Path, sites: list[Site], store: Bucket,
              key_paths: tuple[Path, Path]) -> dict:
     """Start the trainer, caches and servers for ``path``; drive every phase; return the figures."""
     run_prefix = f"run-{path}-{int(time.time())}"
     control = work / f"control-{path}"
     shutil.rmtree(control, ignore_errors=True)
     control.mkdir(parents=True)
-    env = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{moto_port}", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{store.s3_port}", "PYTHONUNBUFFERED": "1"}
     trainer = subprocess.Popen(
         [sys.executable, "-m", "benchmarks.fleet_trainer", "--store", f"s3://{BUCKET}/{run_prefix}", "--model", str(model),
          "--control", str(control), "--every", str(cfg.every), "--steps", str(cfg.steps), "--phases", *cfg.phases,
@@ -158,9 +161,9 @@ def run_path(cfg: Config, path: str, work: Path, model: Path, sites: list[Site],
     try:
         _wait_file(control / "ready", trainer, 600)
         for i, site in enumerate(sites):
-            store_url = _start_proxies(cfg, path, work, site, moto_port, run_prefix)
+            store_url = _start_proxies(cfg, path, work, site, store.read_port, run_prefix)
             settings = {"store": store_url, "poll_interval": cfg.poll_s, "trusted_key": str(key_paths[1])}
-            server_env = {**CREDENTIALS, "AWS_ENDPOINT_URL_S3": f"http://{site.upstream_host}:{moto_port}"}
+            server_env: dict[str, str] = {}
             engine = "sglang" if i >= len(sites) - cfg.sglang_regions else "vllm"
             launch = [*site.prefix, "nice", "-n", str(cfg.server_nice)]
             for j in range(cfg.servers):
@@ -198,13 +201,13 @@ def run_path(cfg: Config, path: str, work: Path, model: Path, sites: list[Site],
             site.cache = site.link = None
 
 
-def _start_proxies(cfg: Config, path: str, work: Path, site: Site, moto_port: int, run_prefix: str) -> str:
+def _start_proxies(cfg: Config, path: str, work: Path, site: Site, read_port: int, run_prefix: str) -> str:
     """The region's nginx (a cache, or without namespaces a rate-limited link); returns the store URL."""
-    upstream = f"http://{site.upstream_host}:{moto_port}"
+    upstream = f"http://{site.upstream_host}:{read_port}"
     limit = None if site.region is not None else f"{int(cfg.mbit * 1e6 / 8)}"
     if path == "direct":
         if site.region is not None:
-            return f"s3://{BUCKET}/{run_prefix}"
+            return f"{upstream}/{BUCKET}/{run_prefix}"
         port = free_port()
         site.link = RegionalCache(work / f"link-{site.name}", upstream, listen=f"127.0.0.1:{port}",
                                   limit_rate=limit, caching=False).start()
@@ -385,10 +388,22 @@ def _wait_until(cond, timeout: float, what: str) -> None:
         time.sleep(0.5)
 
 
+@dataclass(frozen=True)
+class Bucket:
+    """Where the trainer writes (moto's S3 API) and where everyone reads (its front)."""
+
+    s3_port: int
+    read_port: int
+
+
 @contextlib.contextmanager
-def bucket(work: Path) -> Iterator[int]:
-    """moto's S3 server on every host address, with the bucket and its read policy; yields the port."""
+def bucket(work: Path) -> Iterator[Bucket]:
+    """moto's S3 server on every host address, with the bucket and its read policy, and an nginx
+    in front of it on the bucket's side. moto answers each ranged GET by copying the whole object
+    (seconds per request for a 200 MB shard on this machine), which real object stores do not; the
+    front fetches each object from moto once and serves ranges the way S3 does, for both paths."""
     port = free_port()
+    front = None
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "0.0.0.0", "-p", str(port)],
                             stdout=open(work / "moto.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -399,8 +414,13 @@ def bucket(work: Path) -> Iterator[int]:
         s3.create_bucket(Bucket=BUCKET)
         s3.put_bucket_policy(Bucket=BUCKET, Policy=json.dumps({"Version": "2012-10-17", "Statement": [
             {"Effect": "Allow", "Principal": "*", "Action": "s3:GetObject", "Resource": f"arn:aws:s3:::{BUCKET}/*"}]}))
-        yield port
+        read_port = free_port()
+        front = RegionalCache(work / "bucket-front", f"http://127.0.0.1:{port}", listen=f"0.0.0.0:{read_port}").start()
+        front.wait_ready(f"http://127.0.0.1:{read_port}/")
+        yield Bucket(port, read_port)
     finally:
+        if front is not None:
+            front.stop()
         proc.terminate()
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(10)
@@ -440,11 +460,11 @@ def run(cfg: Config, work: Path, out: Path | None) -> list[dict]:
     (work / "keys").mkdir()
     key_paths = generate_keypair(work / "keys" / "fleet")
     runs, rows = [], []
-    with bucket(work) as moto_port, network(cfg) as sites:
+    with bucket(work) as store, network(cfg) as sites:
         for path in cfg.paths:
             print(f"== {path}: {cfg.regions} regions x {cfg.servers} servers, links {cfg.mbit:g} Mbit/s, "
                   f"model {cfg.size}, a snapshot every {cfg.every:g} s", flush=True)
-            result = run_path(cfg, path, work, model, sites, moto_port, key_paths)
+            result = run_path(cfg, path, work, model, sites, store, key_paths)
             result["rows"] = summarize(cfg, result, sites)
             print_table(result["rows"])
             runs.append(result)
