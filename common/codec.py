@@ -90,6 +90,13 @@ def start_warm_up(encoder: bool = True) -> threading.Thread:
     return thread
 
 
+def warmed_up() -> bool:
+    """Whether a warm-up started in this process has finished: deltas then decode without waiting
+    for the JIT (``codec_ready`` in a server's status)."""
+    with _warm_up_lock:
+        return any(not thread.is_alive() for thread in _warm_up_threads.values())
+
+
 def payload_version(payload: bytes | memoryview) -> int:
     """The codec version (1 or 2) that wrote ``payload``, from its magic."""
     magic = bytes(memoryview(payload)[:4])

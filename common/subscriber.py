@@ -294,6 +294,7 @@ class Subscriber:
             "last_update_timings_s": {k: round(v, 6) for k, v in self._last_timings.items()},
             "last_update_path": self._last_path,
             "updates_applied": self._updates,
+            "codec_ready": codec.warmed_up(),
             # Seconds the engine generated nothing because of updates (pause + swap + resume, summed).
             "paused_seconds_total": round(self._paused_total, 6),
             "failures": self._failures,

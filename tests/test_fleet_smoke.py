@@ -43,7 +43,7 @@ def test_the_cache_sends_one_copy_across_the_link(rows) -> None:
     for phase in ("delta", "full"):
         cached, direct = _row(rows, "cache", phase), _row(rows, "direct", phase)
         # The model: one copy per region through the cache, one per server directly.
-        assert direct["bytes_model"] == pytest.approx(2 * cached["bytes_model"])
+        assert direct["bytes_model"] == pytest.approx(2 * cached["bytes_model"], rel=0.05)  # separate trainer runs
         assert cached["bytes_model"] * 0.9 <= cached["bytes_moved"] <= cached["bytes_model"] * 1.3 + 200_000, cached
         assert direct["bytes_moved"] >= 1.6 * cached["bytes_moved"], (cached, direct)
         assert cached["cache"]["HIT"] > 0 and cached["cache"]["sent_bytes"] > 1.5 * cached["cache"]["upstream_bytes"]

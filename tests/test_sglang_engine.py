@@ -308,6 +308,9 @@ def _swap_during_requests(url: str, store: Path, step: int, model: Path, creds: 
                           tokens: int = LONG):
     """Start ``n`` long requests, publish ``step`` once each has produced tokens, return their final
     outputs."""
+    # A fresh environment JIT-compiles the codec's kernels at start (~15 s of a core): wait for it,
+    # or the first delta's decode can outlast the long requests.
+    wait_for(url, lambda s: s["codec_ready"], timeout=180)
     started = [threading.Event() for _ in range(n)]
     with ThreadPoolExecutor(n) as pool:
         # Prompts sharing no prefix with PROMPTS: KV that the radix cache keeps from these long runs
