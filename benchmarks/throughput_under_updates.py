@@ -110,7 +110,9 @@ def run_mode(engine: str, model: Path, work: Path, mode: str | None, args: argpa
         trainer.close()
     finished = load.finished
     return {"engine": engine, "mode": mode or "baseline", "tokens_per_s": tokens / (end - start),
-            "updates": len(windows), "window_s": windows, "requests": len(finished),
+            "updates": len(windows), "window_s": windows,
+            # requests that ended inside the run (those cut off when the load stops carry no reason)
+            "requests": sum(1 for f in finished if f["reason"]),
             "aborted": sum(1 for f in finished if f["reason"] and f["reason"] not in ("length", "stop")),
             "multi_version": sum(1 for f in finished if f["versions"] and len(f["versions"]) > 1),
             "swap_path": final.get("swap_path")}
