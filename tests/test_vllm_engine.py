@@ -7,6 +7,8 @@ directly on the target checkpoints.
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -213,3 +215,53 @@ def test_fifty_swaps_under_steady_load_without_a_failed_request(live, models, cr
         generate(server.url, PROMPTS[i % 3], 8, client=client)
 
     swaps_under_load(server.url, store, weights, request, first_step=11, creds=creds)
+
+
+def _stream_completion(url: str, prompt: list[int], max_tokens: int, started) -> dict:
+    """Stream ``/v1/completions`` (the OpenAI route); set ``started`` at the first token; return the
+    finishing choice (its ``weight_versions`` spans) with the number of text chunks seen."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True}
+    final: dict = {}
+    chunks = 0
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[6:]).get("choices", []):
+                if choice.get("text"):
+                    chunks += 1
+                    started.set()
+                if choice.get("finish_reason"):
+                    final = choice
+    return {**final, "chunks": chunks}
+
+
+def test_keep_drain_tags_each_token_range_with_the_version_that_produced_it(models, tmp_path) -> None:
+    """keep (the default): requests running across a swap continue on the new weights, and the
+    OpenAI route reports both versions with the token ranges each produced. (Its own server: the
+    module's server drains in wait mode.)"""
+    store = tmp_path / "store"
+    publish_dirs(store, [(0, models["A"])], None)
+    settings = {"store": store.as_uri(), "poll_interval": 0.2, "drain": "keep"}
+    server = vllm_server.start(models["A"], tmp_path, settings=settings, served_name="tiny", log_name="keep.log")
+    try:
+        wait_for(server.url, lambda s: s["current_step"] == 0 and s["codec_ready"], timeout=300)
+        started = [threading.Event() for _ in range(3)]
+        with ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(_stream_completion, server.url, [2, 3 + i, 11, 13], 600, started[i])
+                       for i in range(3)]
+            for event in started:
+                assert event.wait(120), "a long request produced no token"
+            publish_dirs(store, [(1, models["B"])], None)
+            httpx.post(f"{server.url}/delta_swap/notify", timeout=30).raise_for_status()
+            outs = [f.result() for f in futures]
+        assert status(server.url)["current_step"] == 1
+        for out in outs:
+            assert out["finish_reason"] == "length", out
+            spans = out["weight_versions"]
+            assert [s["version"] for s in spans] == ["step-0000000000", "step-0000000001"], spans
+            assert spans[0]["start"] == 0 and 0 < spans[0]["end"] == spans[1]["start"] < 600, spans
+    finally:
+        server.stop()
