@@ -112,35 +112,19 @@ def _sequence_nll(model: torch.nn.Module, windows: torch.Tensor) -> torch.Tensor
 
 
 def _new_model(config: CorpusConfig) -> torch.nn.Module:
+    shape = dict(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                 intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
+                 num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
+                 max_position_embeddings=config.seq_len, tie_word_embeddings=False)
     if config.architecture == "qwen2":
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
-        qwen_config = Qwen2Config(
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_hidden_layers=config.num_layers,
-            num_attention_heads=config.num_heads,
-            num_key_value_heads=config.num_kv_heads,
-            max_position_embeddings=config.seq_len,
-            tie_word_embeddings=False,
-        )
-        return Qwen2ForCausalLM(qwen_config).float()
+        return Qwen2ForCausalLM(Qwen2Config(**shape)).float()
     if config.architecture != "llama":
         raise ValueError(f"unknown architecture {config.architecture!r}")
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    model_config = LlamaConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_heads,
-        num_key_value_heads=config.num_kv_heads,
-        max_position_embeddings=config.seq_len,
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(model_config).float()
+    return LlamaForCausalLM(LlamaConfig(**shape)).float()
 
 
 def _pretrained(config: CorpusConfig, tokens: torch.Tensor, directory: Path) -> StateDict:
