@@ -37,6 +37,7 @@ import zstandard
 from .dtypes import ORDERED_FLOAT_DTYPES, dtype_size
 from .errors import CorruptDataError
 from .manifest import Encoding
+from .zstd_frames import check_frame, decompress_exact
 
 MAGIC = b"DSC1"
 _HEADER = struct.Struct("<4sBBBBQQ")
@@ -247,18 +248,8 @@ def _decode_section(coder: int, stored: memoryview, raw_len: int) -> np.ndarray:
         return np.frombuffer(stored, dtype=np.uint8)
     if coder != CODER_ZSTD:
         raise CorruptDataError(f"unknown section coder {coder}")
-    try:
-        size = zstandard.frame_content_size(stored)
-    except zstandard.ZstdError as exc:
-        raise CorruptDataError(f"bad zstd frame: {exc}") from None
-    if size != raw_len:
-        raise CorruptDataError(f"zstd frame declares {size} bytes, section header says {raw_len}")
-    try:
-        data = zstandard.ZstdDecompressor().decompress(stored, max_output_size=raw_len)
-    except zstandard.ZstdError as exc:
-        raise CorruptDataError(f"corrupt zstd section: {exc}") from None
-    if len(data) != raw_len:
-        raise CorruptDataError("zstd section decompressed to the wrong length")
+    check_frame(stored, raw_len, "section")
+    data = decompress_exact(stored, raw_len, "section")
     return np.frombuffer(data, dtype=np.uint8)
 
 

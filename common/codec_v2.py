@@ -45,6 +45,7 @@ import zstandard
 
 from .dtypes import DTYPE_SIZES
 from .errors import CorruptDataError
+from .zstd_frames import check_frame, decompress_exact
 
 
 def _ensure_numba_cache_dir() -> None:
@@ -1025,12 +1026,7 @@ def _read_planes(rd: _Reader, n: int, width: int) -> list[tuple[int, memoryview]
             if len(stored) != n:
                 raise CorruptDataError("raw plane has the wrong length")
         elif coder == 1:
-            try:
-                size = zstandard.frame_content_size(stored)
-            except zstandard.ZstdError as exc:
-                raise CorruptDataError(f"bad zstd frame: {exc}") from None
-            if size != n:
-                raise CorruptDataError(f"zstd plane declares {size} bytes, expected {n}")
+            check_frame(stored, n, "plane")
         else:
             raise CorruptDataError(f"unknown plane coder {coder}")
         planes.append((coder, stored))
@@ -1040,13 +1036,7 @@ def _read_planes(rd: _Reader, n: int, width: int) -> list[tuple[int, memoryview]
 def _plane_bytes(coder: int, stored: memoryview, n: int) -> np.ndarray:
     if coder == 0:
         return np.frombuffer(stored, np.uint8)
-    try:
-        data = zstandard.ZstdDecompressor().decompress(stored, max_output_size=n)
-    except zstandard.ZstdError as exc:
-        raise CorruptDataError(f"corrupt zstd plane: {exc}") from None
-    if len(data) != n:
-        raise CorruptDataError("zstd plane decompressed to the wrong length")
-    return np.frombuffer(data, np.uint8)
+    return np.frombuffer(decompress_exact(stored, n, "plane"), np.uint8)
 
 
 def _header(method: int, width: int, n: int) -> bytes:
