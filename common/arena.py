@@ -212,22 +212,38 @@ def remove_stale_arenas(folder: str | os.PathLike[str]) -> list[Path]:
 
 class ArenaPair:
     """The two arenas of one engine: the live one it computes with and the spare one the next
-    update is decoded into; they trade places at every swap."""
+    update is decoded into; they trade places at every swap.
+
+    The second arena is made only when the engine first computes from the first one: until then
+    the engine's own copy of the weights still exists, and host memory holds two copies, not three.
+    Room for both is checked up front, so a full folder means no arenas rather than a failure later.
+    """
 
     def __init__(self, folder: str | os.PathLike[str], layout: ArenaLayout) -> None:
         remove_stale_arenas(folder)
+        self.folder = Path(folder)
         self.layout = layout
-        self.arenas = (Arena(arena_path(folder, "a"), layout, create=True),
-                       Arena(arena_path(folder, "b"), layout, create=True))
-        self._tensors = [arena.tensors() for arena in self.arenas]
+        room = _free_bytes(self.folder)
+        if room < 2 * layout.nbytes:
+            raise EngineError(f"no room for two {layout.nbytes}-byte weight arenas in {self.folder}: "
+                              f"{room} bytes free")
+        self.arenas = [Arena(arena_path(folder, "a"), layout, create=True)]
+        self._tensors = [self.arenas[0].tensors()]
         self.live: Arena | None = None  # None until the engine first switches to an arena
 
     @property
     def spare(self) -> Arena:
+        """The arena the engine does not compute with (made on first use after the first swap)."""
+        if self.live is None:
+            return self.arenas[0]
+        if len(self.arenas) == 1:
+            self.arenas.append(Arena(arena_path(self.folder, "b"), self.layout, create=True))
+            self._tensors.append(self.arenas[1].tensors())
         return self.arenas[1] if self.live is self.arenas[0] else self.arenas[0]
 
     def spare_tensors(self) -> StateDict:
-        """Writable views of the spare arena, by checkpoint name."""
+        """Writable views of the spare arena, by checkpoint name (the first call after the first
+        swap allocates the second arena: call it off the event loop)."""
         return self._tensors[self.arenas.index(self.spare)]
 
     def holding(self, state: Mapping[str, HostTensor]) -> Arena | None:
@@ -240,3 +256,8 @@ class ArenaPair:
     def close(self) -> None:
         for arena in self.arenas:
             arena.close(unlink=True)
+
+
+def _free_bytes(folder: Path) -> int:
+    stat = os.statvfs(folder)
+    return stat.f_bavail * stat.f_frsize

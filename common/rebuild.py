@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import xxhash
 
 from . import codec, store_keys
 from .chain import ChainReader
-from .checksum import checksum, verify_blob
+from .checksum import ALGORITHM, checksum, verify_blob
 from .errors import ChainError, ChecksumMismatchError, CorruptDataError, IncompatibleSnapshotError
 from .manifest import BlobEntry, Encoding, Manifest, SnapshotKind, TensorEntry
 from .stores import Store
@@ -72,6 +74,26 @@ def apply_snapshot(
     seconds are added to ``timings["decode"]`` and ``["verify"]``.
     """
     timings = {} if timings is None else timings
+    check_applicable(prev, manifest, out)
+
+    def rebuild_one(t: TensorEntry) -> HostTensor:
+        payload = None if t.shard is None else shards[t.shard][t.offset : t.offset + t.length]
+        return rebuild_tensor(manifest, t, payload, prev, out)
+
+    with ThreadPoolExecutor(threads or decode_threads(), thread_name_prefix="delta-swap-decode") as pool:
+        t0 = time.perf_counter()
+        rebuilt = list(pool.map(rebuild_one, manifest.tensors))
+        t1 = time.perf_counter()
+        list(pool.map(lambda item: verify_tensor(manifest, *item), zip(manifest.tensors, rebuilt)))
+        t2 = time.perf_counter()
+    timings["decode"] = timings.get("decode", 0.0) + t1 - t0
+    timings["verify"] = timings.get("verify", 0.0) + t2 - t1
+    return {t.name: tensor for t, tensor in zip(manifest.tensors, rebuilt)}
+
+
+def check_applicable(prev: StateDict | None, manifest: Manifest, out: StateDict | None) -> None:
+    """Raise ChainError unless every tensor of ``manifest`` has the previous tensor it needs in
+    ``prev`` and, with ``out``, a place of its dtype and shape to be written."""
     if manifest.kind is SnapshotKind.DELTA and prev is None:
         raise ChainError(f"delta {manifest.snapshot_id} needs the state of {manifest.prev_snapshot_id}")
     for t in manifest.tensors:
@@ -81,50 +103,175 @@ def apply_snapshot(
         if out is not None and (t.name not in out or (out[t.name].dtype, out[t.name].shape) != (t.dtype, t.shape)):
             raise ChainError(f"{manifest.snapshot_id}: tensor {t.name} has no place to be written")
 
-    def rebuild_one(t: TensorEntry) -> HostTensor:
-        old = prev.get(t.name) if prev is not None else None
-        dest = None if out is None else out[t.name]
-        if t.encoding is Encoding.SAME:
-            assert old is not None
-            if dest is None or dest.data is old.data:
-                return old
+
+def rebuild_tensor(manifest: Manifest, t: TensorEntry, payload: np.ndarray | None, prev: StateDict | None,
+                   out: StateDict | None) -> HostTensor:
+    """Tensor ``t`` of ``manifest`` from its ``payload`` (None for an unchanged one) and its previous
+    value; written into ``out[t.name]`` when ``out`` is given (see :func:`apply_snapshot`)."""
+    old = prev.get(t.name) if prev is not None else None
+    dest = None if out is None else out[t.name]
+    if t.encoding is Encoding.SAME:
+        assert old is not None
+        if dest is None or dest.data is old.data:
+            return old
+        dest.data[:] = old.data
+        return dest
+    assert payload is not None
+    if t.encoding is Encoding.RAW:
+        if dest is None:
+            return HostTensor(t.dtype, t.shape, payload)
+        dest.data[:] = payload
+        return dest
+    try:
+        method = codec.payload_method(payload)
+        if t.encoding is Encoding.DELTA and method is not Encoding.DELTA:
+            raise CorruptDataError("marked delta but is not")
+        if dest is None:
+            return HostTensor(t.dtype, t.shape, codec.decode(old.data if old else None, payload, t.dtype, t.nbytes))
+        if method is Encoding.DELTA and not np.shares_memory(dest.data, old.data):
             dest.data[:] = old.data
-            return dest
-        assert t.shard is not None
-        payload = shards[t.shard][t.offset : t.offset + t.length]
-        if t.encoding is Encoding.RAW:
-            if dest is None:
-                return HostTensor(t.dtype, t.shape, payload)
-            dest.data[:] = payload
-            return dest
-        try:
-            method = codec.payload_method(payload)
-            if t.encoding is Encoding.DELTA and method is not Encoding.DELTA:
-                raise CorruptDataError("marked delta but is not")
-            if dest is None:
-                return HostTensor(t.dtype, t.shape, codec.decode(old.data if old else None, payload, t.dtype, t.nbytes))
-            if method is Encoding.DELTA and not np.shares_memory(dest.data, old.data):
-                dest.data[:] = old.data
-            codec.decode_into(dest.data, payload, t.dtype)
-            return dest
-        except CorruptDataError as exc:
-            raise CorruptDataError(f"{manifest.snapshot_id}: tensor {t.name}: {exc}") from None
+        codec.decode_into(dest.data, payload, t.dtype)
+        return dest
+    except CorruptDataError as exc:
+        raise CorruptDataError(f"{manifest.snapshot_id}: tensor {t.name}: {exc}") from None
 
-    def verify_one(item: tuple[TensorEntry, HostTensor]) -> None:
-        t, tensor = item
-        if checksum(tensor.data) != t.checksum:
-            what = "unchanged tensor" if t.encoding is Encoding.SAME else "tensor"
-            raise ChecksumMismatchError(f"{manifest.snapshot_id}: {what} {t.name} differs from the publisher's checksum")
 
+def verify_tensor(manifest: Manifest, t: TensorEntry, tensor: HostTensor) -> None:
+    """Raise ChecksumMismatchError unless ``tensor`` hashes to the publisher's checksum of ``t``."""
+    if checksum(tensor.data) != t.checksum:
+        what = "unchanged tensor" if t.encoding is Encoding.SAME else "tensor"
+        raise ChecksumMismatchError(f"{manifest.snapshot_id}: {what} {t.name} differs from the publisher's checksum")
+
+
+#: With ``out`` (tensors written straight into engine memory), shards larger than this are fetched
+#: in contiguous pieces of this size and applied as they arrive: a full base never sits whole in
+#: host memory next to the weights it becomes.
+STREAM_PIECE_BYTES = 64 << 20
+
+
+async def stream_snapshot(
+    store: Store,
+    manifest: Manifest,
+    prev: StateDict | None,
+    out: StateDict,
+    *,
+    authenticated: bool = False,
+    piece_bytes: int | None = None,
+    progress: Progress | None = None,
+    timings: dict[str, float] | None = None,
+    threads: int | None = None,
+) -> StateDict:
+    """:func:`apply_snapshot` into ``out`` with every shard fetched in pieces of ``piece_bytes``
+    (default :data:`STREAM_PIECE_BYTES`; the next piece is fetched while one is applied): host memory beyond ``out`` is two pieces and
+    the largest encoded tensor, not the snapshot. A shard's size, xxh3 and (when ``authenticated``)
+    SHA-256 are checked over its pieces, every tensor's checksum once all are written; as with
+    ``out`` in :func:`apply_snapshot`, a failure leaves ``out`` partly written."""
+    timings = {} if timings is None else timings
+    piece_bytes = piece_bytes or STREAM_PIECE_BYTES
+    check_applicable(prev, manifest, out)
+    rebuilt: dict[str, HostTensor] = {}
     with ThreadPoolExecutor(threads or decode_threads(), thread_name_prefix="delta-swap-decode") as pool:
+        for shard in manifest.shards:
+            tensors = sorted((t for t in manifest.tensors if t.shard == shard.name), key=lambda t: t.offset)
+            writer = _ShardWriter(manifest, shard, tensors, prev, out, pool, authenticated, rebuilt)
+            await _stream_shard(store, manifest, shard, writer, piece_bytes, progress, timings)
         t0 = time.perf_counter()
-        rebuilt = list(pool.map(rebuild_one, manifest.tensors))
+        for t in manifest.tensors:
+            if t.shard is None:
+                rebuilt[t.name] = rebuild_tensor(manifest, t, None, prev, out)
         t1 = time.perf_counter()
-        list(pool.map(verify_one, zip(manifest.tensors, rebuilt)))
+        await asyncio.to_thread(lambda: list(pool.map(lambda t: verify_tensor(manifest, t, rebuilt[t.name]),
+                                                      manifest.tensors)))
         t2 = time.perf_counter()
     timings["decode"] = timings.get("decode", 0.0) + t1 - t0
     timings["verify"] = timings.get("verify", 0.0) + t2 - t1
-    return {t.name: tensor for t, tensor in zip(manifest.tensors, rebuilt)}
+    return {t.name: rebuilt[t.name] for t in manifest.tensors}
+
+
+async def _stream_shard(store: Store, manifest: Manifest, shard: BlobEntry, writer: _ShardWriter, piece_bytes: int,
+                        progress: Progress | None, timings: dict[str, float]) -> None:
+    key = store_keys.shard_key(manifest.snapshot_id, shard.name)
+    what = f"shard {shard.name} of {manifest.snapshot_id}"
+    size = await store.size(key)
+    if size != shard.size:
+        raise CorruptDataError(f"{what} has {size} bytes, expected {shard.size}")
+
+    async def fetch(start: int, end: int) -> bytes:
+        data = await store.get(key, start, end, max_bytes=end - start)
+        if len(data) != end - start:
+            raise CorruptDataError(f"{what}: bytes {start}-{end} came back with {len(data)} bytes")
+        return data
+
+    pieces = [(start, min(start + piece_bytes, shard.size)) for start in range(0, shard.size, piece_bytes)]
+    ahead = asyncio.ensure_future(fetch(*pieces[0])) if pieces else None
+    try:
+        for i, (start, _end) in enumerate(pieces):
+            t0 = time.perf_counter()
+            assert ahead is not None
+            data = await ahead
+            ahead = asyncio.ensure_future(fetch(*pieces[i + 1])) if i + 1 < len(pieces) else None
+            t1 = time.perf_counter()
+            await asyncio.to_thread(writer.add, start, data)
+            timings["fetch"] = timings.get("fetch", 0.0) + t1 - t0
+            timings["decode"] = timings.get("decode", 0.0) + time.perf_counter() - t1
+            if progress:
+                progress(len(data))
+    finally:
+        if ahead is not None:
+            ahead.cancel()
+    writer.finish(what)
+
+
+class _ShardWriter:
+    """Applies one shard's bytes, arriving in order, to ``out``: raw tensors are copied piece by
+    piece, encoded ones gathered until whole and then decoded (on ``pool``); the shard's digests
+    are computed on the way."""
+
+    def __init__(self, manifest: Manifest, shard: BlobEntry, tensors: list[TensorEntry], prev: StateDict | None,
+                 out: StateDict, pool: ThreadPoolExecutor, authenticated: bool, rebuilt: dict[str, HostTensor]) -> None:
+        self.manifest, self.shard, self.tensors, self.prev, self.out = manifest, shard, tensors, prev, out
+        self.pool, self.rebuilt = pool, rebuilt
+        self.xxh3 = xxhash.xxh3_128()
+        self.sha256 = hashlib.sha256() if authenticated else None
+        self.next = 0  # the first tensor not yet complete (tensors are sorted by offset)
+        self.gathering: dict[str, bytearray] = {}
+
+    def add(self, start: int, data: bytes) -> None:
+        end = start + len(data)
+        self.xxh3.update(data)
+        if self.sha256 is not None:
+            self.sha256.update(data)
+        view = np.frombuffer(data, dtype=np.uint8)
+        whole: list[tuple[TensorEntry, np.ndarray]] = []
+        i = self.next
+        while i < len(self.tensors) and (self.tensors[i].offset < end or self.tensors[i].offset + self.tensors[i].length <= end):
+            t = self.tensors[i]
+            lo, hi = max(t.offset, start), min(t.offset + t.length, end)
+            if lo < hi and t.encoding is Encoding.RAW:
+                self.out[t.name].data[lo - t.offset:hi - t.offset] = view[lo - start:hi - start]
+            elif lo < hi:
+                self.gathering.setdefault(t.name, bytearray()).extend(view[lo - start:hi - start])
+            if t.offset + t.length <= end:  # complete
+                if t.encoding is Encoding.RAW:
+                    self.rebuilt[t.name] = self.out[t.name]
+                else:
+                    whole.append((t, np.frombuffer(self.gathering.pop(t.name, bytearray()), dtype=np.uint8)))
+                if i == self.next:
+                    self.next += 1
+            i += 1
+        for t, tensor in zip((t for t, _ in whole), self.pool.map(
+                lambda item: rebuild_tensor(self.manifest, item[0], item[1], self.prev, self.out), whole)):
+            self.rebuilt[t.name] = tensor
+
+    def finish(self, what: str) -> None:
+        if self.next < len(self.tensors):  # empty tensors at the very end of the shard
+            self.add(self.shard.size, b"")
+        if self.next < len(self.tensors):
+            raise CorruptDataError(f"{what} ends before tensor {self.tensors[self.next].name}")
+        if f"{ALGORITHM}:{self.xxh3.hexdigest()}" != self.shard.checksum:
+            raise ChecksumMismatchError(f"checksum mismatch for {what}")
+        if self.sha256 is not None and self.shard.sha256 is not None and self.sha256.hexdigest() != self.shard.sha256:
+            raise ChecksumMismatchError(f"SHA-256 mismatch for {what}")
 
 
 async def rebuild(
@@ -168,6 +315,10 @@ async def replay(
     authenticated = reader.trusted is not None
     for manifest in path:
         t0 = time.perf_counter()
+        if out is not None and any(shard.size > STREAM_PIECE_BYTES for shard in manifest.shards):
+            state = await stream_snapshot(reader.store, manifest, state, out, authenticated=authenticated,
+                                          progress=progress, timings=timings)
+            continue
         shards = await fetch_shards(reader.store, manifest, concurrency=concurrency, progress=progress,
                                     authenticated=authenticated)
         timings["fetch"] = timings.get("fetch", 0.0) + time.perf_counter() - t0

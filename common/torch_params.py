@@ -105,3 +105,21 @@ def point_parameters(params: Mapping[str, Any], arena: Arena) -> None:
         views[slot.name] = torch.from_numpy(arena.slot_bytes(slot.name)).view(dtype).view(slot.shape)
     for name, view in views.items():
         params[name].data = view
+    if not _committed:  # the first commit frees the engine's own copy: give its pages back
+        release_free_heap()
+    _committed.add(arena.path)
+
+
+#: Arena files this process's parameters have pointed at.
+_committed: set[Any] = set()
+
+
+def release_free_heap() -> None:
+    """Return the C heap's free pages to the system (glibc's ``malloc_trim``): tensors freed from
+    the heap rather than from their own mappings otherwise stay counted in the process's memory."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass

@@ -91,7 +91,7 @@ class SglangAdapter(EngineAdapter):
                 log.info("delta_swap: loading changed tensors on each swap (%s)", doc.get("reason"))
         if self.arenas is None or specs != self.arenas.layout.specs:
             return None
-        return self.arenas.spare_tensors()
+        return await asyncio.to_thread(self.arenas.spare_tensors)
 
     async def stage(self, update: WeightUpdate) -> Bucket | Arena | None:
         if self.arenas is not None:

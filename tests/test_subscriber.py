@@ -245,3 +245,67 @@ def test_files_left_by_killed_servers_are_removed_and_live_ones_kept(tmp_path) -
     removed = remove_stale_arenas(tmp_path)
     assert sorted(p.name for p in removed) == sorted(n for n, keep in names.items() if not keep)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for n, keep in names.items() if keep)
+
+
+class _RangeLog:
+    """A store that records every read (key, start, end) and otherwise is the store it wraps."""
+
+    def __init__(self, store) -> None:
+        self._store, self.reads = store, []
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    async def get(self, key, start=None, end=None, *, max_bytes=None):
+        data = await self._store.get(key, start, end, max_bytes=max_bytes)
+        self.reads.append((key, start, end, len(data)))
+        return data
+
+
+async def test_a_large_base_streams_into_the_arena_piece_by_piece(tmp_path, monkeypatch) -> None:
+    """With arenas, shards larger than a piece are read in contiguous pieces and written straight
+    into the arena (no read larger than a piece), bit-exact; the second arena is only made once
+    the engine computes from the first."""
+    from delta_swap import rebuild
+    from delta_swap.stores import open_store
+
+    monkeypatch.setattr(rebuild, "STREAM_PIECE_BYTES", 1000)
+    steps = rl_steps(3, lr=2e-3)
+    store = tmp_path / "store"
+    _publish(store, steps[:1], base_every=100)
+    logged = _RangeLog(open_store(str(store)))
+    engine = RecordingAdapter(arena_dir=str(tmp_path))
+    sub = Subscriber(Settings(store=str(store)), engine, store=logged)
+    assert await sub.sync() and sub.current.step == 0
+    assert_state_equal(engine.weights, steps[0])
+    shard = sub.current.shards[0]
+    base_reads = [r for r in logged.reads if r[0].endswith(shard.name)]
+    assert shard.size > 5 * 1000 and len(base_reads) == -(-shard.size // 1000)
+    assert all(n <= 1000 for *_, n in base_reads) and sum(n for *_, n in base_reads) == shard.size
+    assert [p.name[-1] for p in tmp_path.glob("delta-swap-arena-*")] == ["a"]  # the spare one comes later
+    _publish(store, steps[1:], start=1, base_every=100)
+    assert await sub.sync() and sub.current.step == 2
+    assert_state_equal(engine.weights, steps[2])
+    assert sorted(p.name[-1] for p in tmp_path.glob("delta-swap-arena-*")) == ["a", "b"]
+    await sub.stop()
+
+
+@pytest.mark.parametrize("where", ["header", "middle", "end"])
+async def test_a_tampered_base_is_rejected_when_streamed(tmp_path, monkeypatch, where) -> None:
+    from delta_swap import rebuild
+
+    monkeypatch.setattr(rebuild, "STREAM_PIECE_BYTES", 1000)
+    steps = rl_steps(1)
+    store = tmp_path / "store"
+    _publish(store, steps, base_every=100)
+    shard = next((store / "snapshots" / "step-0000000000").glob("shard-*"))
+    data = bytearray(shard.read_bytes())
+    data[{"header": 3, "middle": len(data) // 2, "end": len(data) - 1}[where]] ^= 0x10
+    shard.write_bytes(bytes(data))
+    engine = RecordingAdapter(arena_dir=str(tmp_path))
+    sub = Subscriber(Settings(store=str(store)), engine)
+    assert not await sub.sync()
+    st = sub.status()
+    assert st["current_step"] is None and not engine.weights and engine.calls == []
+    assert "mismatch" in st["last_error"] or "Corrupt" in st["last_error"], st["last_error"]
+    await sub.stop()

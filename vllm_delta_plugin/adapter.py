@@ -121,7 +121,7 @@ class VllmAdapter(EngineAdapter):
                 log.info("delta_swap: reloading changed tensors on each swap (%s)", doc["reason"])
         if self.arenas is None or specs != self.arenas.layout.specs:
             return None
-        return self.arenas.spare_tensors()
+        return await asyncio.to_thread(self.arenas.spare_tensors)
 
     async def stage(self, update: WeightUpdate) -> StagedFile | Arena:
         if self.arenas is not None:
