@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from delta_swap.publisher import Publisher, PublisherConfig
+from delta_swap.settings import Settings
 from examples.servers import sglang as sglang_server
 from examples.servers import vllm as vllm_server
 from examples.servers.process import Server
@@ -110,19 +111,65 @@ class Trainer:
         self.publisher.close()
 
 
+class PublishedAhead:
+    """A trainer on other machines: ``steps`` RL-sized updates are published up front into a
+    store of their own, and :meth:`release` makes the next one appear in ``store`` as a remote
+    trainer's upload would (the snapshot's objects, its manifest last, then HEAD). The benchmark's
+    cores then run only the engine, its load and delta-swap, not the trainer's encoding."""
+
+    def __init__(self, model: Path, store: Path, steps: int) -> None:
+        self.source = store.parent / f"{store.name}-trainer"
+        self.store = store
+        trainer = Trainer(model, self.source)
+        try:
+            self.heads = [(self.source / "HEAD").read_bytes()]
+            for _ in range(steps):
+                trainer.publish_next()
+                self.heads.append((self.source / "HEAD").read_bytes())
+        finally:
+            trainer.close()
+        shutil.rmtree(store, ignore_errors=True)
+        self.step = -1
+        self.release()  # the base
+
+    @property
+    def remaining(self) -> int:
+        return len(self.heads) - 1 - self.step
+
+    def release(self) -> int:
+        """Make the next step visible in ``store``; returns that step."""
+        head = self.heads[self.step + 1]
+        snapshot = json.loads(head)["snapshot_id"]
+        src, dst = self.source / "snapshots" / snapshot, self.store / "snapshots" / snapshot
+        files = sorted((p for p in src.rglob("*") if p.is_file()), key=lambda p: p.name == "manifest.json")
+        for path in files:
+            _write_atomic(dst / path.relative_to(src), path.read_bytes())
+        _write_atomic(self.store / "HEAD", head)
+        self.step += 1
+        return self.step
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
 @contextlib.contextmanager
 def engine_server(engine: str, model: Path, work: Path, *, store: Path | None, settings: dict | None = None,
-                  kv_cache_gib: int = 2) -> Iterator[Server]:
-    """One engine server on ``model``; with ``store``, the plugin follows it (``settings`` added)."""
+                  kv_cache_gib: int = 2, wait: bool = True) -> Iterator[Server]:
+    """One engine server on ``model``; with ``store``, the plugin follows it (``settings`` added).
+    Without ``wait`` it is yielded as soon as it is launched (call ``wait_healthy``)."""
     plugin = store is not None
     options = {"store": store.as_uri(), "poll_interval": 0.2, **(settings or {})} if plugin else None
     if engine == "vllm":
         env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
         server = vllm_server.start(model, work, settings=options, plugin=plugin, served_name=MODEL_NAME, env=env,
-                                   log_name=f"vllm-{time.monotonic_ns()}.log", timeout_s=900)
+                                   log_name=f"vllm-{time.monotonic_ns()}.log", timeout_s=900, wait=wait)
     else:
         server = sglang_server.start(model, work, settings=options, plugin=plugin, served_name=MODEL_NAME,
-                                     log_name=f"sglang-{time.monotonic_ns()}.log", timeout_s=900)
+                                     log_name=f"sglang-{time.monotonic_ns()}.log", timeout_s=900, wait=wait)
     try:
         yield server
     finally:
@@ -185,16 +232,24 @@ def process_tree(pid: int) -> list[int]:
     return out
 
 
-def tree_pss(pid: int) -> int:
-    """Proportional set size of a process tree in bytes (shared pages counted once overall)."""
+def tree_memory(pid: int) -> int:
+    """Host memory a process tree holds, in bytes: the proportional set size of its processes
+    (pages shared between them counted once overall) without their shared-memory mappings, plus
+    the bytes the tree's weight arena files hold in the staging folder, mapped or not (a tmpfs file
+    takes memory from the moment it is allocated, before any process touches it)."""
+    tree = process_tree(pid)
     total = 0
-    for p in process_tree(pid):
+    for p in tree:
         try:
             with open(f"/proc/{p}/smaps_rollup") as fh:
-                for line in fh:
-                    if line.startswith("Pss:"):
-                        total += int(line.split()[1]) * 1024
-                        break
+                fields = dict(line.split(":", 1) for line in fh if line.startswith("Pss"))
         except OSError:
             continue
+        total += (int(fields.get("Pss", "0 kB").split()[0]) - int(fields.get("Pss_Shmem", "0 kB").split()[0])) * 1024
+    for p in tree:
+        for arena in Path(Settings().staging_dir).glob(f"delta-swap-arena-{p}-*"):
+            try:
+                total += arena.stat().st_blocks * 512
+            except FileNotFoundError:
+                continue
     return total

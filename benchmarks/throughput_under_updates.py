@@ -6,8 +6,10 @@ over the same load without updates, for each drain mode, on vLLM and SGLang (CPU
 
 The load is the official ``openai`` client streaming ``/v1/completions`` (long generations,
 ``--max-tokens`` each, ``--streams`` at once, a new request as soon as one ends). Every run starts
-a fresh server following a store; the baseline run publishes nothing, the others publish an
-RL-sized update (2% of elements, 1-3 ULP) every ``--interval`` seconds. Tokens are counted as
+a fresh server following a store; the baseline run gets no update, the others an RL-sized one
+(2% of elements, 1-3 ULP) every ``--interval`` seconds. The trainer publishes those updates before
+the load starts and they are released into the served store one at a time, as a trainer on other
+machines would upload them: the measured cores run the engine, its load and delta-swap only. Tokens are counted as
 they arrive, over the measured window. Prints a table (tokens/s, retained %, requests aborted,
 versions per request, swap window) and writes docs/throughput_under_updates.png.
 """
@@ -22,7 +24,16 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.harness import MODEL_NAME, SIZES, Trainer, engine_server, make_model, model_bytes, status, wait_step
+from benchmarks.harness import (
+    MODEL_NAME,
+    SIZES,
+    PublishedAhead,
+    engine_server,
+    make_model,
+    model_bytes,
+    status,
+    wait_step,
+)
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 PROMPT = "The rollout server keeps generating while the trainer publishes"
@@ -83,31 +94,29 @@ class Load:
 def run_mode(engine: str, model: Path, work: Path, mode: str | None, args: argparse.Namespace) -> dict:
     """One server, one window of load; ``mode`` None is the baseline without updates."""
     run = work / f"{engine}-{mode or 'baseline'}"
-    trainer = Trainer(model, run / "store")
+    updates = 0 if mode is None else int(args.seconds // args.interval)
+    chain = PublishedAhead(model, run / "store", updates)  # the trainer runs before the load, as if elsewhere
     drain_timeout = 60.0
     settings = {"drain": mode or "keep", "drain_timeout": drain_timeout}
-    try:
-        with engine_server(engine, model, run / "server", store=run / "store", settings=settings) as server:
-            wait_step(server.url, 0)
-            load = Load(server.url, args.streams, args.max_tokens)
-            load.start()
-            time.sleep(args.warmup)
-            start = time.monotonic()
-            windows = []
-            while time.monotonic() - start < args.seconds:
-                time.sleep(min(args.interval, max(0.0, start + args.seconds - time.monotonic())))
-                if mode is not None and time.monotonic() - start < args.seconds - 1:
-                    trainer.publish_next()
-                    # wait mode may drain for up to drain_timeout before the swap even starts
-                    st = wait_step(server.url, trainer.step, timeout=drain_timeout + args.interval * 6)
-                    t = st["last_update_timings_s"]
-                    windows.append(sum(t.get(p, 0.0) for p in ("pause", "swap", "resume")))
-            end = time.monotonic()
-            tokens = load.tokens_between(start, end)
-            load.close()
-            final = status(server.url)
-    finally:
-        trainer.close()
+    with engine_server(engine, model, run / "server", store=run / "store", settings=settings) as server:
+        wait_step(server.url, 0)
+        load = Load(server.url, args.streams, args.max_tokens)
+        load.start()
+        time.sleep(args.warmup)
+        start = time.monotonic()
+        windows = []
+        while time.monotonic() - start < args.seconds:
+            time.sleep(min(args.interval, max(0.0, start + args.seconds - time.monotonic())))
+            if chain.remaining and time.monotonic() - start < args.seconds - 1:
+                step = chain.release()
+                # wait mode may drain for up to drain_timeout before the swap even starts
+                st = wait_step(server.url, step, timeout=drain_timeout + args.interval * 6)
+                t = st["last_update_timings_s"]
+                windows.append(sum(t.get(p, 0.0) for p in ("pause", "swap", "resume")))
+        end = time.monotonic()
+        tokens = load.tokens_between(start, end)
+        load.close()
+        final = status(server.url)
     finished = load.finished
     return {"engine": engine, "mode": mode or "baseline", "tokens_per_s": tokens / (end - start),
             "updates": len(windows), "window_s": windows,

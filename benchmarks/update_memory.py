@@ -2,13 +2,15 @@
 
     python -m benchmarks.update_memory [--engines vllm sglang] [--sizes 60M 160M] [--updates 5]
 
-Memory is the proportional set size (PSS) of the whole server process tree, so pages shared
-between processes (the weight arenas in /dev/shm, mapped by the HTTP server and the engine
-worker) count once. The anchor is the same engine on the same model without delta-swap. For
-each size: the plain server's PSS after a few requests; then the server with the plugin, sampled
-every 20 ms while a trainer publishes ``--updates`` RL-sized updates, first sync included.
-Prints (peak with delta-swap - plain server) / model bytes per engine and size, and writes
-docs/update_memory.png.
+Memory is that of the whole server process tree (``harness.tree_memory``): the proportional set
+size of its processes, so pages shared between them count once, with the weight arenas counted as
+the bytes their files hold in /dev/shm, whether or not a process has touched them yet. The anchor
+is the same engine on the same model without delta-swap, sampled from launch until it has served
+a few requests. The server with the plugin is sampled every 20 ms from launch through its first
+sync (the base, while the engine still holds the weights it loaded), then while a trainer publishes
+``--updates`` RL-sized updates. Prints, over the model's bytes: what delta-swap adds at the peak
+of the first sync (over the plain server's own start-up peak), between updates, and at the peak
+during updates (both over the plain server in steady state); writes docs/update_memory.png.
 """
 
 from __future__ import annotations
@@ -22,13 +24,22 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.harness import MODEL_NAME, SIZES, Trainer, engine_server, make_model, model_bytes, tree_pss, wait_step
+from benchmarks.harness import (
+    MODEL_NAME,
+    SIZES,
+    Trainer,
+    engine_server,
+    make_model,
+    model_bytes,
+    tree_memory,
+    wait_step,
+)
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
 class Sampler:
-    """Samples a process tree's PSS in a background thread."""
+    """Samples a process tree's memory in a background thread."""
 
     def __init__(self, pid: int, every_s: float = 0.02) -> None:
         self.pid, self.every_s = pid, every_s
@@ -38,7 +49,7 @@ class Sampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.samples.append(tree_pss(self.pid))
+            self.samples.append(tree_memory(self.pid))
             self._stop.wait(self.every_s)
 
     def __enter__(self) -> Sampler:
@@ -62,37 +73,42 @@ def _warm(url: str) -> None:
 def measure(engine: str, size: str, work: Path, updates: int) -> dict:
     model = make_model(work / "models", size)
     run = work / f"{engine}-{size}"
-    with engine_server(engine, model, run / "plain", store=None) as server:
-        _warm(server.url)
+    with engine_server(engine, model, run / "plain", store=None, wait=False) as server:
+        with Sampler(server.proc.pid) as plain_start:
+            server.wait_healthy(900)
+            _warm(server.url)
         time.sleep(2)
-        plain = tree_pss(server.proc.pid)
+        plain = tree_memory(server.proc.pid)
     trainer = Trainer(model, run / "store")
     try:
-        with engine_server(engine, model, run / "plugin", store=run / "store") as server:
-            wait_step(server.url, 0)
-            _warm(server.url)
+        with engine_server(engine, model, run / "plugin", store=run / "store", wait=False) as server:
+            with Sampler(server.proc.pid) as first_sync:
+                server.wait_healthy(900)
+                wait_step(server.url, 0)
+                _warm(server.url)
             time.sleep(2)
-            steady = tree_pss(server.proc.pid)
             with Sampler(server.proc.pid) as sampler:
                 for _ in range(updates):
                     trainer.publish_next()
                     wait_step(server.url, trainer.step)
-            after = tree_pss(server.proc.pid)
+            time.sleep(2)
+            steady = tree_memory(server.proc.pid)
     finally:
         trainer.close()
     size_b = model_bytes(model)
-    return {"engine": engine, "size": size, "model_bytes": size_b, "plain_pss": plain, "steady_pss": steady,
-            "peak_pss": sampler.peak, "after_pss": after,
-            "added_over_model": (sampler.peak - plain) / size_b, "steady_added_over_model": (steady - plain) / size_b}
+    return {"engine": engine, "size": size, "model_bytes": size_b, "plain": plain, "plain_start_peak": plain_start.peak,
+            "first_sync_peak": first_sync.peak, "steady": steady, "update_peak": sampler.peak,
+            "first_sync_over_model": (first_sync.peak - plain_start.peak) / size_b,
+            "steady_over_model": (steady - plain) / size_b, "update_peak_over_model": (sampler.peak - plain) / size_b}
 
 
 def summarize(rows: list[dict]) -> list[str]:
-    lines = [f"{'engine':<7} {'size':>5} {'model MB':>9} {'plain MB':>9} {'with delta-swap MB':>19} "
-             f"{'peak MB':>8} {'added / model (steady)':>23} {'added / model (peak)':>21}"]
+    lines = [f"{'engine':<7} {'size':>5} {'model MB':>9} {'plain MB':>9} {'steady MB':>10} {'update peak MB':>15} "
+             f"{'added/model: first sync':>24} {'between updates':>16} {'update peak':>12}"]
     for r in rows:
-        lines.append(f"{r['engine']:<7} {r['size']:>5} {r['model_bytes'] / 1e6:>9.0f} {r['plain_pss'] / 1e6:>9.0f} "
-                     f"{r['steady_pss'] / 1e6:>19.0f} {r['peak_pss'] / 1e6:>8.0f} "
-                     f"{r['steady_added_over_model']:>23.2f} {r['added_over_model']:>21.2f}")
+        lines.append(f"{r['engine']:<7} {r['size']:>5} {r['model_bytes'] / 1e6:>9.0f} {r['plain'] / 1e6:>9.0f} "
+                     f"{r['steady'] / 1e6:>10.0f} {r['update_peak'] / 1e6:>15.0f} {r['first_sync_over_model']:>24.2f} "
+                     f"{r['steady_over_model']:>16.2f} {r['update_peak_over_model']:>12.2f}")
     return lines
 
 
@@ -102,15 +118,18 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
     labels = [f"{r['engine']}\n{r['size']} ({r['model_bytes'] / 1e6:.0f} MB)" for r in rows]
     x = range(len(rows))
-    ax.bar([i - 0.2 for i in x], [r["steady_added_over_model"] for r in rows], 0.4, label="between updates")
-    ax.bar([i + 0.2 for i in x], [r["added_over_model"] for r in rows], 0.4, label="peak during updates")
+    series = [("first sync (peak)", "first_sync_over_model"), ("between updates", "steady_over_model"),
+              ("during updates (peak)", "update_peak_over_model")]
+    for k, (label, key) in enumerate(series):
+        bars = ax.bar([i + (k - 1) * 0.27 for i in x], [r[key] for r in rows], 0.27, label=label)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
     ax.axhline(1.3, color="gray", linestyle="--", linewidth=1, label="1.3x target")
     ax.set_xticks(list(x), labels, fontsize=8)
     ax.set_ylabel("host memory added by delta-swap / model bytes")
-    ax.set_title("Memory delta-swap adds to a server (PSS of the process tree vs the plain engine)", fontsize=9)
+    ax.set_title("Memory delta-swap adds to a server (process tree, arenas included, vs the plain engine)", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -119,7 +138,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", nargs="+", default=["vllm", "sglang"], choices=["vllm", "sglang"])
-    parser.add_argument("--sizes", nargs="+", default=["60M", "160M"], choices=list(SIZES))
+    parser.add_argument("--sizes", nargs="+", default=["160M", "350M"], choices=list(SIZES))
     parser.add_argument("--updates", type=int, default=5)
     parser.add_argument("--workdir")
     parser.add_argument("--json", default=str(DOCS / "update_memory.json"))
