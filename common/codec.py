@@ -12,6 +12,8 @@ when it starts so the first delta it receives does not wait for the compiler.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from dataclasses import dataclass
 from types import ModuleType
@@ -73,9 +75,19 @@ def start_warm_up(encoder: bool = True) -> threading.Thread:
     """:func:`warm_up` in a daemon thread (returned, already started), once per process; errors
     there are ignored, since the first real payload compiles what it needs anyway. Cold (nothing
     cached yet) this takes ~15 s of one core for the decoder and ~30 s with the encoder; with the
-    cache, under a second (benchmarks/README.md)."""
+    cache, under a second (benchmarks/README.md).
+
+    The kernels are compiled in a child process, which fills numba's on-disk cache, and then
+    loaded from that cache here: a compile leaves ~90 MB of LLVM's working memory in the process
+    that ran it, and a server should not carry that for its whole life."""
 
     def run() -> None:
+        try:
+            subprocess.run([sys.executable, "-c", f"from delta_swap import codec; codec.warm_up({encoder})"],
+                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           timeout=900, check=False)
+        except (OSError, subprocess.SubprocessError):  # then this process compiles, as it would anyway
+            pass
         try:
             warm_up(encoder)
         except Exception:  # noqa: BLE001 - best effort: decoding works without it
