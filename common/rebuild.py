@@ -146,7 +146,7 @@ def verify_tensor(manifest: Manifest, t: TensorEntry, tensor: HostTensor) -> Non
 #: With ``out`` (tensors written straight into engine memory), shards larger than this are fetched
 #: in contiguous pieces of this size and applied as they arrive: a full base never sits whole in
 #: host memory next to the weights it becomes.
-STREAM_PIECE_BYTES = 64 << 20
+STREAM_PIECE_BYTES = 32 << 20
 
 
 async def stream_snapshot(

@@ -22,7 +22,7 @@ from . import codec
 from .chain import ChainReader
 from .engine_adapter import EngineAdapter, WeightUpdate
 from .errors import ChainError, ConfigError, DeltaSwapError, EngineStateUnknownError
-from .manifest import Manifest, SnapshotKind
+from .manifest import Encoding, Manifest, SnapshotKind
 from .metrics import failure_kind, subscriber_metrics
 from .rebuild import replay
 from .settings import Settings
@@ -90,10 +90,10 @@ class Subscriber:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        """Start polling in the background on the running event loop (and load the codec's
-        compiled kernels in a thread, so the first delta does not wait for the JIT)."""
+        """Start polling in the background on the running event loop. The codec's compiled
+        kernels are loaded after the first sync (:meth:`_poll_forever`), so the first delta does
+        not wait for the JIT and a compile's memory never adds to the first sync's."""
         if self._task is None:
-            codec.start_warm_up(encoder=False)
             self._task = asyncio.get_running_loop().create_task(self._poll_forever(), name="delta-swap-subscriber")
 
     async def stop(self) -> None:
@@ -119,6 +119,7 @@ class Subscriber:
         # and stop() would then wait for a whole poll interval.
         while not self._stopping:
             await self.sync()
+            codec.start_warm_up(encoder=False)  # once per process
             try:
                 await asyncio.wait_for(self._wake.wait(), self.settings.poll_interval)
             except asyncio.TimeoutError:
@@ -213,6 +214,8 @@ class Subscriber:
         timings: dict[str, float] = {"fetch": 0.0, "decode": 0.0, "verify": 0.0}
         self._phase = "fetch"
         start = None if path[0].kind is SnapshotKind.BASE else self._state
+        if any(t.encoding not in (Encoding.RAW, Encoding.SAME) for m in path for t in m.tensors):
+            await asyncio.to_thread(codec.start_warm_up(encoder=False).join)  # compiled before, not during
         out = await self.adapter.destination(target.specs)  # the engine's spare weights, if it has them
         state = await replay(self.reader, path, start, concurrency=self.settings.fetch_concurrency,
                              timings=timings, progress=self._metrics.bytes_fetched.inc,
