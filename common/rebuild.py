@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -46,22 +45,6 @@ async def fetch_shards(store: Store, manifest: Manifest, *, concurrency: int = 4
     return dict(results)
 
 
-def decode_pool(threads: int | None = None, nice: int = 0) -> ThreadPoolExecutor:
-    """The threads that decode and verify tensors: ``threads`` (default: every core this process
-    may run on), each ``nice`` steps below the process's priority, so that on a busy host the
-    engine's own threads run first and decoding takes the time they leave."""
-    return ThreadPoolExecutor(threads or decode_threads(), thread_name_prefix="delta-swap-decode",
-                              initializer=_lower_priority, initargs=(nice,))
-
-
-def _lower_priority(nice: int) -> None:
-    if nice > 0 and hasattr(os, "setpriority"):
-        try:  # on Linux a thread id names just this thread
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + nice)
-        except OSError:
-            pass
-
-
 def decode_threads() -> int:
     """Threads that decode and verify tensors: every core this process may run on."""
     try:
@@ -78,7 +61,6 @@ def apply_snapshot(
     *,
     out: StateDict | None = None,
     threads: int | None = None,
-    nice: int = 0,
 ) -> StateDict:
     """The state after ``manifest``, given the state it was published against.
 
@@ -88,8 +70,8 @@ def apply_snapshot(
     weight arena; it may be ``prev`` itself, and deltas then apply in place) every tensor is
     written into ``out`` and only ``out`` is modified; a failure leaves it partly written.
 
-    Tensors are decoded, then verified, on :func:`decode_pool` threads. Wall-clock seconds are
-    added to ``timings["decode"]`` and ``["verify"]``.
+    Tensors are decoded, then verified, on ``threads`` threads (default: every core). Wall-clock
+    seconds are added to ``timings["decode"]`` and ``["verify"]``.
     """
     timings = {} if timings is None else timings
     check_applicable(prev, manifest, out)
@@ -98,7 +80,7 @@ def apply_snapshot(
         payload = None if t.shard is None else shards[t.shard][t.offset : t.offset + t.length]
         return rebuild_tensor(manifest, t, payload, prev, out)
 
-    with decode_pool(threads, nice) as pool:
+    with ThreadPoolExecutor(threads or decode_threads(), thread_name_prefix="delta-swap-decode") as pool:
         t0 = time.perf_counter()
         rebuilt = list(pool.map(rebuild_one, manifest.tensors))
         t1 = time.perf_counter()
@@ -178,7 +160,6 @@ async def stream_snapshot(
     progress: Progress | None = None,
     timings: dict[str, float] | None = None,
     threads: int | None = None,
-    nice: int = 0,
 ) -> StateDict:
     """:func:`apply_snapshot` into ``out`` with every shard fetched in pieces of ``piece_bytes``
     (default :data:`STREAM_PIECE_BYTES`; the next piece is fetched while one is applied): host memory beyond ``out`` is two pieces and
@@ -189,7 +170,7 @@ async def stream_snapshot(
     piece_bytes = piece_bytes or STREAM_PIECE_BYTES
     check_applicable(prev, manifest, out)
     rebuilt: dict[str, HostTensor] = {}
-    with decode_pool(threads, nice) as pool:
+    with ThreadPoolExecutor(threads or decode_threads(), thread_name_prefix="delta-swap-decode") as pool:
         for shard in manifest.shards:
             tensors = sorted((t for t in manifest.tensors if t.shard == shard.name), key=lambda t: t.offset)
             writer = _ShardWriter(manifest, shard, tensors, prev, out, pool, authenticated, rebuilt)
@@ -321,11 +302,10 @@ async def replay(
     progress: Progress | None = None,
     max_model_bytes: int | None = None,
     out: StateDict | None = None,
-    nice: int = 0,
 ) -> StateDict:
     """Apply ``path`` (oldest first) to ``state`` (None when the path starts at a base): fetch
     each snapshot's shards, then decode and verify off the event loop (into ``out``, if given:
-    see :func:`apply_snapshot`) on threads ``nice`` steps below this process's priority. Nothing is fetched when a snapshot of the path holds more than
+    see :func:`apply_snapshot`). Nothing is fetched when a snapshot of the path holds more than
     ``max_model_bytes``. Seconds spent fetching, decoding and verifying are added to ``timings``."""
     timings = {} if timings is None else timings
     for manifest in path:
@@ -337,12 +317,12 @@ async def replay(
         t0 = time.perf_counter()
         if out is not None and any(shard.size > STREAM_PIECE_BYTES for shard in manifest.shards):
             state = await stream_snapshot(reader.store, manifest, state, out, authenticated=authenticated,
-                                          progress=progress, timings=timings, nice=nice)
+                                          progress=progress, timings=timings)
             continue
         shards = await fetch_shards(reader.store, manifest, concurrency=concurrency, progress=progress,
                                     authenticated=authenticated)
         timings["fetch"] = timings.get("fetch", 0.0) + time.perf_counter() - t0
-        state = await asyncio.to_thread(apply_snapshot, state, manifest, shards, timings, out=out, nice=nice)
+        state = await asyncio.to_thread(apply_snapshot, state, manifest, shards, timings, out=out)
     if state is None:
         raise ChainError("nothing to replay")
     return state

@@ -65,10 +65,6 @@ class Settings:
     fetch_concurrency: int = 4
     """Shards of one snapshot downloaded at once."""
 
-    decode_nice: int = 10
-    """Decoding runs on every core, this many nice steps below the engine (0: same priority): on a
-    host whose cores the engine keeps busy, generation goes first and decoding takes what is left."""
-
     replay_cost_ratio: float = 1.0
     """Replay deltas from the served snapshot while their bytes stay below this many times the
     bytes of loading the newest base and its deltas; otherwise reload from the base."""

@@ -219,7 +219,7 @@ class Subscriber:
         out = await self.adapter.destination(target.specs)  # the engine's spare weights, if it has them
         state = await replay(self.reader, path, start, concurrency=self.settings.fetch_concurrency,
                              timings=timings, progress=self._metrics.bytes_fetched.inc,
-                             max_model_bytes=self._max_model_bytes(), out=out, nice=self.settings.decode_nice)
+                             max_model_bytes=self._max_model_bytes(), out=out)
         update = WeightUpdate(version=target.snapshot_id, state=state, names=self._changed(target),
                               previous=self._state, checksums={t.name: t.checksum for t in target.tensors})
         self._staged_id = target.snapshot_id

@@ -309,22 +309,3 @@ async def test_a_tampered_base_is_rejected_when_streamed(tmp_path, monkeypatch, 
     assert st["current_step"] is None and not engine.weights and engine.calls == []
     assert "mismatch" in st["last_error"] or "Corrupt" in st["last_error"], st["last_error"]
     await sub.stop()
-
-
-def test_decoding_threads_run_below_the_engines_priority() -> None:
-    """Decode threads take ``decode_nice`` steps of priority below the process (Linux: per thread);
-    the process itself keeps its own."""
-    import os
-    import threading
-
-    from delta_swap.rebuild import decode_pool
-
-    if not hasattr(os, "setpriority"):
-        pytest.skip("no per-thread priorities on this platform")
-    before = os.getpriority(os.PRIO_PROCESS, 0)
-    with decode_pool(2, nice=3) as pool:
-        seen = set(pool.map(lambda _: os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), range(8)))
-    assert seen == {min(before + 3, 19)}
-    assert os.getpriority(os.PRIO_PROCESS, 0) == before
-    with decode_pool(1) as pool:
-        assert pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).result() == before
