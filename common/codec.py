@@ -77,13 +77,14 @@ def start_warm_up(encoder: bool = True) -> threading.Thread:
     cached yet) this takes ~15 s of one core for the decoder and ~30 s with the encoder; with the
     cache, under a second (benchmarks/README.md).
 
-    The kernels are compiled in a child process, which fills numba's on-disk cache, and then
-    loaded from that cache here: a compile leaves ~90 MB of LLVM's working memory in the process
+    The kernels are compiled in a child process (at a lower priority than the engine), which fills
+    numba's on-disk cache, and then loaded from that cache here: a compile leaves ~90 MB of LLVM's working memory in the process
     that ran it, and a server should not carry that for its whole life."""
 
     def run() -> None:
         try:
-            subprocess.run([sys.executable, "-c", f"from delta_swap import codec; codec.warm_up({encoder})"],
+            code = f"import os; os.nice(10); from delta_swap import codec; codec.warm_up({encoder})"
+            subprocess.run([sys.executable, "-c", code],
                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            timeout=900, check=False)
         except (OSError, subprocess.SubprocessError):  # then this process compiles, as it would anyway
