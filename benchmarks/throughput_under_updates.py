@@ -2,16 +2,19 @@
 over the same load without updates, for each drain mode, on vLLM and SGLang (CPU).
 
     python -m benchmarks.throughput_under_updates [--engines vllm sglang] [--size 160M] [--streams 4]
-        [--max-tokens 512] [--seconds 90] [--interval 10] [--modes keep wait abort]
+        [--max-tokens 512] [--seconds 60] [--rounds 2] [--interval 10] [--modes keep wait abort]
 
 The load is the official ``openai`` client streaming ``/v1/completions`` (long generations,
-``--max-tokens`` each, ``--streams`` at once, a new request as soon as one ends). Every run starts
-a fresh server following a store; the baseline run gets no update, the others an RL-sized one
-(2% of elements, 1-3 ULP) every ``--interval`` seconds. The trainer publishes those updates before
-the load starts and they are released into the served store one at a time, as a trainer on other
-machines would upload them: the measured cores run the engine, its load and delta-swap only. Tokens are counted as
-they arrive, over the measured window. Prints a table (tokens/s, retained %, requests aborted,
-versions per request, swap window) and writes docs/throughput_under_updates.png.
+``--max-tokens`` each, ``--streams`` at once, a new request as soon as one ends). Each drain mode
+gets a fresh server following a store, and the comparison is made inside that server: its time
+is cut into windows without updates and windows with an RL-sized update (2% of elements, 1-3 ULP)
+every ``--interval`` seconds, ``--seconds`` of each in all, in the order quiet, updates, updates,
+quiet, ... so that a drift of the load's speed over time (contexts grow) hits both alike. The
+trainer publishes the updates before the load starts and they are released into the served store
+one at a time, as a trainer on other machines would upload them: the measured cores run the
+engine, its load and delta-swap only. Tokens are counted as they arrive. Prints a table (tokens/s
+without and with updates, retained %, swap window, requests ended and aborted) and writes
+docs/throughput_under_updates.png.
 """
 
 from __future__ import annotations
@@ -91,34 +94,43 @@ class Load:
             t.join(60)
 
 
-def run_mode(engine: str, model: Path, work: Path, mode: str | None, args: argparse.Namespace) -> dict:
-    """One server, one window of load; ``mode`` None is the baseline without updates."""
-    run = work / f"{engine}-{mode or 'baseline'}"
-    updates = 0 if mode is None else int(args.seconds // args.interval)
-    chain = PublishedAhead(model, run / "store", updates)  # the trainer runs before the load, as if elsewhere
+def run_mode(engine: str, model: Path, work: Path, mode: str, args: argparse.Namespace) -> dict:
+    """One server in drain ``mode``; its load measured in quiet windows and in update windows."""
+    run = work / f"{engine}-{mode}"
+    window_s = args.seconds / args.rounds
+    per_window = max(1, int(window_s // args.interval))
+    chain = PublishedAhead(model, run / "store", per_window * args.rounds)  # the trainer ran before, as if elsewhere
     drain_timeout = 60.0
-    settings = {"drain": mode or "keep", "drain_timeout": drain_timeout}
+    settings = {"drain": mode, "drain_timeout": drain_timeout}
+    spent = {"quiet": 0.0, "updates": 0.0}
+    tokens = {"quiet": 0, "updates": 0}
+    windows: list[float] = []
     with engine_server(engine, model, run / "server", store=run / "store", settings=settings) as server:
         wait_step(server.url, 0)
         load = Load(server.url, args.streams, args.max_tokens)
         load.start()
         time.sleep(args.warmup)
-        start = time.monotonic()
-        windows = []
-        while time.monotonic() - start < args.seconds:
-            time.sleep(min(args.interval, max(0.0, start + args.seconds - time.monotonic())))
-            if chain.remaining and time.monotonic() - start < args.seconds - 1:
-                step = chain.release()
-                # wait mode may drain for up to drain_timeout before the swap even starts
-                st = wait_step(server.url, step, timeout=drain_timeout + args.interval * 6)
-                t = st["last_update_timings_s"]
-                windows.append(sum(t.get(p, 0.0) for p in ("pause", "swap", "resume")))
-        end = time.monotonic()
-        tokens = load.tokens_between(start, end)
+        for r in range(args.rounds):
+            for kind in ("quiet", "updates") if r % 2 == 0 else ("updates", "quiet"):
+                start = time.monotonic()
+                if kind == "quiet":
+                    time.sleep(window_s)
+                for _ in range(per_window if kind == "updates" else 0):
+                    time.sleep(args.interval)
+                    step = chain.release()
+                    # wait mode may drain for up to drain_timeout before the swap even starts
+                    st = wait_step(server.url, step, timeout=drain_timeout + args.interval * 6)
+                    t = st["last_update_timings_s"]
+                    windows.append(sum(t.get(p, 0.0) for p in ("pause", "swap", "resume")))
+                end = time.monotonic()
+                spent[kind] += end - start
+                tokens[kind] += load.tokens_between(start, end)
         load.close()
         final = status(server.url)
     finished = load.finished
-    return {"engine": engine, "mode": mode or "baseline", "tokens_per_s": tokens / (end - start),
+    quiet, busy = tokens["quiet"] / spent["quiet"], tokens["updates"] / spent["updates"]
+    return {"engine": engine, "mode": mode, "quiet_tokens_per_s": quiet, "tokens_per_s": busy,
+            "retained": busy / quiet if quiet else float("nan"), "seconds": spent,
             "updates": len(windows), "window_s": windows,
             # requests that ended inside the run (those cut off when the load stops carry no reason)
             "requests": sum(1 for f in finished if f["reason"]),
@@ -128,14 +140,13 @@ def run_mode(engine: str, model: Path, work: Path, mode: str | None, args: argpa
 
 
 def summarize(rows: list[dict]) -> list[str]:
-    base = {r["engine"]: r["tokens_per_s"] for r in rows if r["mode"] == "baseline"}
-    lines = [f"{'engine':<7} {'drain':>8} {'tokens/s':>9} {'retained':>9} {'updates':>8} {'window ms':>10} "
-             f"{'requests':>9} {'aborted':>8} {'2+ versions':>12}"]
+    lines = [f"{'engine':<7} {'drain':>6} {'tokens/s quiet':>15} {'with updates':>13} {'retained':>9} {'updates':>8} "
+             f"{'window ms':>10} {'requests':>9} {'aborted':>8} {'2+ versions':>12}"]
     for r in rows:
-        retained = r["tokens_per_s"] / base[r["engine"]] if base.get(r["engine"]) else float("nan")
         window = 1000 * statistics.median(r["window_s"]) if r["window_s"] else 0.0
-        lines.append(f"{r['engine']:<7} {r['mode']:>8} {r['tokens_per_s']:>9.2f} {100 * retained:>8.1f}% "
-                     f"{r['updates']:>8} {window:>10.1f} {r['requests']:>9} {r['aborted']:>8} {r['multi_version']:>12}")
+        lines.append(f"{r['engine']:<7} {r['mode']:>6} {r['quiet_tokens_per_s']:>15.2f} {r['tokens_per_s']:>13.2f} "
+                     f"{100 * r['retained']:>8.1f}% {r['updates']:>8} {window:>10.1f} {r['requests']:>9} "
+                     f"{r['aborted']:>8} {r['multi_version']:>12}")
     return lines
 
 
@@ -146,20 +157,16 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     engines = sorted({r["engine"] for r in rows})
-    modes = [m for m in ("baseline", "keep", "wait", "abort") if any(r["mode"] == m for r in rows)]
+    modes = [m for m in ("keep", "wait", "abort") if any(r["mode"] == m for r in rows)]
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     width = 0.8 / len(modes)
     for i, mode in enumerate(modes):
-        values = []
-        for engine in engines:
-            base = next((r["tokens_per_s"] for r in rows if r["engine"] == engine and r["mode"] == "baseline"), None)
-            r = next((r for r in rows if r["engine"] == engine and r["mode"] == mode), None)
-            values.append(100 * r["tokens_per_s"] / base if r and base else 0)
+        values = [next((100 * r["retained"] for r in rows if r["engine"] == e and r["mode"] == mode), 0) for e in engines]
         bars = ax.bar([e + i * width for e in range(len(engines))], values, width, label=mode)
         ax.bar_label(bars, fmt="%.0f%%", fontsize=8)
     ax.axhline(95, color="gray", linestyle="--", linewidth=1)
     ax.set_xticks([e + width * (len(modes) - 1) / 2 for e in range(len(engines))], engines)
-    ax.set_ylabel("tokens/s retained (% of no updates)")
+    ax.set_ylabel("tokens/s retained (% of the same server's windows without updates)")
     ax.set_title(title, fontsize=9)
     ax.legend(title="drain", fontsize=8)
     fig.tight_layout()
@@ -173,7 +180,8 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["keep", "wait", "abort"], choices=["keep", "wait", "abort"])
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=512)
-    parser.add_argument("--seconds", type=float, default=90.0)
+    parser.add_argument("--seconds", type=float, default=60.0, help="seconds with updates (and as many without)")
+    parser.add_argument("--rounds", type=int, default=2, help="windows of each kind (alternating)")
     parser.add_argument("--interval", type=float, default=10.0)
     parser.add_argument("--warmup", type=float, default=15.0, help="seconds of load before the window starts")
     parser.add_argument("--workdir")
@@ -184,7 +192,7 @@ def main() -> None:
     model = make_model(work / "models", args.size)
     rows = []
     for engine in args.engines:
-        for mode in [None, *args.modes]:
+        for mode in args.modes:
             rows.append(run_mode(engine, model, work, mode, args))
             print(summarize(rows)[-1], flush=True)
             Path(args.json).write_text(json.dumps(rows, indent=1))  # what ran so far survives a later failure
