@@ -180,13 +180,14 @@ def status(url: str) -> dict:
     return httpx.get(f"{url}/delta_swap/status", timeout=60).json()
 
 
-def wait_step(url: str, step: int, timeout: float = 600) -> dict:
+def wait_step(url: str, step: int, timeout: float = 600, every_s: float = 0.02) -> dict:
+    """The server's status once it serves ``step`` (asked every ``every_s`` seconds)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         st = status(url)
         if st["current_step"] == step:
             return st
-        time.sleep(0.02)
+        time.sleep(every_s)
     raise TimeoutError(f"server did not reach step {step}: {json.dumps(status(url))[:400]}")
 
 

@@ -119,7 +119,8 @@ def run_mode(engine: str, model: Path, work: Path, mode: str, args: argparse.Nam
                     time.sleep(args.interval)
                     step = chain.release()
                     # wait mode may drain for up to drain_timeout before the swap even starts
-                    st = wait_step(server.url, step, timeout=drain_timeout + args.interval * 6)
+                    # (asked 4 times a second: each status call costs the server a little CPU)
+                    st = wait_step(server.url, step, timeout=drain_timeout + args.interval * 6, every_s=0.25)
                     t = st["last_update_timings_s"]
                     windows.append(sum(t.get(p, 0.0) for p in ("pause", "swap", "resume")))
                 end = time.monotonic()
