@@ -191,6 +191,18 @@ def wait_step(url: str, step: int, timeout: float = 600, every_s: float = 0.02) 
     raise TimeoutError(f"server did not reach step {step}: {json.dumps(status(url))[:400]}")
 
 
+def wait_ready(url: str, timeout: float = 900) -> dict:
+    """The server's status once it serves its first snapshot and its codec is compiled (a cold
+    numba cache costs ~15 s of a core, which must not land inside a measurement)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        st = status(url)
+        if st["current_step"] is not None and st["codec_ready"]:
+            return st
+        time.sleep(0.2)
+    raise TimeoutError(f"server not ready: {json.dumps(status(url))[:400]}")
+
+
 def engine_reload(engine: str, url: str, folder: Path, version: str | None) -> float:
     """The engine's own full reload of the weights in ``folder``; returns its wall time."""
     start = time.perf_counter()

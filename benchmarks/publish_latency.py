@@ -19,7 +19,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness import SIZES, Trainer, engine_reload, engine_server, make_model, model_bytes, status, wait_step
+from benchmarks.harness import (
+    SIZES,
+    Trainer,
+    engine_reload,
+    engine_server,
+    make_model,
+    model_bytes,
+    status,
+    wait_ready,
+    wait_step,
+)
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
@@ -32,6 +42,7 @@ def measure(engine: str, size: str, work: Path, updates: int) -> dict:
     try:
         with engine_server(engine, model, run / "server", store=run / "store") as server:
             wait_step(server.url, 0)
+            wait_ready(server.url)
             for i in range(updates):
                 trainer.advance()  # the synthetic training step is not part of the latency
                 start = time.perf_counter()

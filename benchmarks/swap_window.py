@@ -30,6 +30,7 @@ from benchmarks.harness import (
     model_bytes,
     restart_time,
     status,
+    wait_ready,
     wait_step,
 )
 
@@ -45,6 +46,7 @@ def measure(engine: str, size: str, work: Path, updates: int) -> dict:
     try:
         with engine_server(engine, model, run / "server", store=run / "store") as server:
             wait_step(server.url, 0)
+            wait_ready(server.url)
             for _ in range(updates):
                 trainer.advance()  # the synthetic training step is not part of the latency
                 start = time.perf_counter()

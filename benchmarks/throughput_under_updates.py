@@ -35,6 +35,7 @@ from benchmarks.harness import (
     make_model,
     model_bytes,
     status,
+    wait_ready,
     wait_step,
 )
 
@@ -107,6 +108,7 @@ def run_mode(engine: str, model: Path, work: Path, mode: str, args: argparse.Nam
     windows: list[float] = []
     with engine_server(engine, model, run / "server", store=run / "store", settings=settings) as server:
         wait_step(server.url, 0)
+        wait_ready(server.url)
         load = Load(server.url, args.streams, args.max_tokens)
         load.start()
         time.sleep(args.warmup)

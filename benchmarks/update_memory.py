@@ -32,6 +32,7 @@ from benchmarks.harness import (
     make_model,
     model_bytes,
     tree_memory,
+    wait_ready,
     wait_step,
 )
 
@@ -85,6 +86,7 @@ def measure(engine: str, size: str, work: Path, updates: int) -> dict:
             with Sampler(server.proc.pid) as first_sync:
                 server.wait_healthy(900)
                 wait_step(server.url, 0)
+                wait_ready(server.url)
                 _warm(server.url)
             time.sleep(2)
             with Sampler(server.proc.pid) as sampler:
