@@ -5,7 +5,8 @@ over the same load without updates, for each drain mode, on vLLM and SGLang (CPU
         [--max-tokens 512] [--seconds 60] [--rounds 2] [--interval 10] [--modes keep wait abort]
 
 The load is the official ``openai`` client streaming ``/v1/completions`` (long generations,
-``--max-tokens`` each, ``--streams`` at once, a new request as soon as one ends). Each drain mode
+``--max-tokens`` each, ``--streams`` at once, a new request as soon as one ends; the streams' first
+requests are shorter, 1/n .. n/n of the length, so that requests end spread over time). Each drain mode
 gets a fresh server following a store, and the comparison is made inside that server: its time
 is cut into windows without updates and windows with an RL-sized update (2% of elements, 1-3 ULP)
 every ``--interval`` seconds, ``--seconds`` of each in all, in the order quiet, updates, updates,
@@ -54,19 +55,22 @@ class Load:
         self.arrivals: list[float] = []
         self.finished: list[dict] = []
         self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(streams)]
+        self.threads = [threading.Thread(target=self._run, args=(i, streams), daemon=True) for i in range(streams)]
         self._lock = threading.Lock()
 
     def start(self) -> None:
         for t in self.threads:
             t.start()
 
-    def _run(self) -> None:
+    def _run(self, index: int, streams: int) -> None:
+        # The streams' first requests are 1/n, 2/n, ... of the length: from then on requests end
+        # (and restart with a prefill) spread over time, not all at once inside one window.
+        max_tokens = self.max_tokens * (index + 1) // streams
         while not self.stop.is_set():
             reason, versions = None, None
             try:
                 stream = self.client.completions.create(
-                    model=MODEL_NAME, prompt=PROMPT, max_tokens=self.max_tokens, temperature=1.0, stream=True,
+                    model=MODEL_NAME, prompt=PROMPT, max_tokens=max_tokens, temperature=1.0, stream=True,
                     extra_body={"ignore_eos": True})
                 for chunk in stream:
                     now = time.monotonic()
@@ -84,6 +88,7 @@ class Load:
                 time.sleep(0.5)
             with self._lock:
                 self.finished.append({"reason": reason, "versions": versions})
+            max_tokens = self.max_tokens
 
     def tokens_between(self, start: float, end: float) -> int:
         with self._lock:
