@@ -174,7 +174,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         ax.bar_label(bars, fmt="%.0f%%", fontsize=8)
     ax.axhline(95, color="gray", linestyle="--", linewidth=1)
     ax.set_xticks([e + width * (len(modes) - 1) / 2 for e in range(len(engines))], engines)
-    ax.set_ylabel("tokens/s retained (% of the same server's windows without updates)")
+    ax.set_ylabel("tokens/s retained (% of quiet windows)")
     ax.set_title(title, fontsize=9)
     ax.legend(title="drain", fontsize=8)
     fig.tight_layout()
