@@ -29,8 +29,30 @@ def sha256(data: bytes | bytearray | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+class BlobDigest:
+    """The xxh3-128 and (with ``sha256``) SHA-256 of a blob fed in pieces, in order."""
+
+    def __init__(self, *, sha256: bool) -> None:
+        self._xxh3 = xxhash.xxh3_128()
+        self._sha256 = hashlib.sha256() if sha256 else None
+
+    def update(self, data: bytes | bytearray | memoryview) -> None:
+        self._xxh3.update(data)
+        if self._sha256 is not None:
+            self._sha256.update(data)
+
+    def verify(self, xxh3: str, sha256_hex: str | None, what: str) -> None:
+        """Raise ChecksumMismatchError unless the blob matches ``xxh3`` and, when given, ``sha256_hex``
+        (which needs a digest made with ``sha256=True``)."""
+        actual = f"{ALGORITHM}:{self._xxh3.hexdigest()}"
+        if actual != xxh3:
+            raise ChecksumMismatchError(f"checksum mismatch for {what}: expected {xxh3}, got {actual}")
+        if sha256_hex is not None and (self._sha256 is None or self._sha256.hexdigest() != sha256_hex):
+            raise ChecksumMismatchError(f"SHA-256 mismatch for {what}")
+
+
 def verify_blob(data: bytes | bytearray | memoryview, xxh3: str, sha256_hex: str | None, what: str) -> None:
     """Raise ChecksumMismatchError unless ``data`` matches its xxh3-128 and, when given, SHA-256."""
-    verify(data, xxh3, what)
-    if sha256_hex is not None and sha256(data) != sha256_hex:
-        raise ChecksumMismatchError(f"SHA-256 mismatch for {what}")
+    digest = BlobDigest(sha256=sha256_hex is not None)
+    digest.update(data)
+    digest.verify(xxh3, sha256_hex, what)

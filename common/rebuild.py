@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-import xxhash
 
 from . import codec, store_keys
 from .chain import ChainReader
-from .checksum import ALGORITHM, checksum, verify_blob
+from .checksum import BlobDigest, checksum, verify_blob
 from .errors import ChainError, ChecksumMismatchError, CorruptDataError, IncompatibleSnapshotError
 from .manifest import BlobEntry, Encoding, Manifest, SnapshotKind, TensorEntry
 from .stores import Store
@@ -162,8 +160,8 @@ async def stream_snapshot(
     threads: int | None = None,
 ) -> StateDict:
     """:func:`apply_snapshot` into ``out`` with every shard fetched in pieces of ``piece_bytes``
-    (default :data:`STREAM_PIECE_BYTES`; the next piece is fetched while one is applied): host memory beyond ``out`` is two pieces and
-    the largest encoded tensor, not the snapshot. A shard's size, xxh3 and (when ``authenticated``)
+    (default :data:`STREAM_PIECE_BYTES`; the next piece is fetched while one is applied): host
+    memory beyond ``out`` is two pieces and the largest encoded tensor, not the snapshot. A shard's size, xxh3 and (when ``authenticated``)
     SHA-256 are checked over its pieces, every tensor's checksum once all are written; as with
     ``out`` in :func:`apply_snapshot`, a failure leaves ``out`` partly written."""
     timings = {} if timings is None else timings
@@ -231,21 +229,21 @@ class _ShardWriter:
                  out: StateDict, pool: ThreadPoolExecutor, authenticated: bool, rebuilt: dict[str, HostTensor]) -> None:
         self.manifest, self.shard, self.tensors, self.prev, self.out = manifest, shard, tensors, prev, out
         self.pool, self.rebuilt = pool, rebuilt
-        self.xxh3 = xxhash.xxh3_128()
-        self.sha256 = hashlib.sha256() if authenticated else None
+        self.authenticated = authenticated
+        self.digest = BlobDigest(sha256=authenticated)
         self.next = 0  # the first tensor not yet complete (tensors are sorted by offset)
         self.gathering: dict[str, bytearray] = {}
 
     def add(self, start: int, data: bytes) -> None:
         end = start + len(data)
-        self.xxh3.update(data)
-        if self.sha256 is not None:
-            self.sha256.update(data)
+        self.digest.update(data)
         view = np.frombuffer(data, dtype=np.uint8)
         whole: list[tuple[TensorEntry, np.ndarray]] = []
         i = self.next
-        while i < len(self.tensors) and (self.tensors[i].offset < end or self.tensors[i].offset + self.tensors[i].length <= end):
+        while i < len(self.tensors):
             t = self.tensors[i]
+            if t.offset > end or (t.offset == end and t.length):  # starts in a later piece
+                break
             lo, hi = max(t.offset, start), min(t.offset + t.length, end)
             if lo < hi and t.encoding is Encoding.RAW:
                 self.out[t.name].data[lo - t.offset:hi - t.offset] = view[lo - start:hi - start]
@@ -268,10 +266,7 @@ class _ShardWriter:
             self.add(self.shard.size, b"")
         if self.next < len(self.tensors):
             raise CorruptDataError(f"{what} ends before tensor {self.tensors[self.next].name}")
-        if f"{ALGORITHM}:{self.xxh3.hexdigest()}" != self.shard.checksum:
-            raise ChecksumMismatchError(f"checksum mismatch for {what}")
-        if self.sha256 is not None and self.shard.sha256 is not None and self.sha256.hexdigest() != self.shard.sha256:
-            raise ChecksumMismatchError(f"SHA-256 mismatch for {what}")
+        self.digest.verify(self.shard.checksum, self.shard.sha256 if self.authenticated else None, what)
 
 
 async def rebuild(
