@@ -191,17 +191,26 @@ def arena_path(folder: str | os.PathLike[str], name: str) -> Path:
     return Path(folder) / f"delta-swap-arena-{os.getpid()}-{name}"
 
 
+def file_owner(path: Path) -> int | None:
+    """The pid in an arena or layout file's name (``delta-swap-{arena,layout}-<pid>[-...]``), or
+    None for a name that carries none."""
+    try:
+        return int(path.name.split("-")[3].split(".")[0])
+    except (ValueError, IndexError):
+        return None
+
+
 def remove_stale_arenas(folder: str | os.PathLike[str]) -> list[Path]:
     """Delete arena and layout files left in ``folder`` by processes that no longer run (a killed
     server); their names carry the owner's pid: ``delta-swap-{arena,layout}-<pid>[-...]``."""
     removed = []
     stale = [*Path(folder).glob("delta-swap-arena-*"), *Path(folder).glob("delta-swap-layout-*")]
     for path in stale:
-        try:
-            pid = int(path.name.split("-")[3].split(".")[0])
-            os.kill(pid, 0)
-        except (ValueError, IndexError):
+        pid = file_owner(path)
+        if pid is None:
             continue
+        try:
+            os.kill(pid, 0)
         except ProcessLookupError:
             path.unlink(missing_ok=True)
             removed.append(path)

@@ -105,13 +105,14 @@ def point_parameters(params: Mapping[str, Any], arena: Arena) -> None:
         views[slot.name] = torch.from_numpy(arena.slot_bytes(slot.name)).view(dtype).view(slot.shape)
     for name, view in views.items():
         params[name].data = view
-    if not _committed:  # the first commit frees the engine's own copy: give its pages back
+    global _heap_released
+    if not _heap_released:  # the first commit frees the engine's own copy: give its pages back
         release_free_heap()
-    _committed.add(arena.path)
+        _heap_released = True
 
 
-#: Arena files this process's parameters have pointed at.
-_committed: set[Any] = set()
+#: Whether this process's parameters have left the heap for an arena (and its pages were returned).
+_heap_released = False
 
 
 def release_free_heap() -> None:
