@@ -7,12 +7,13 @@ Every server listens on 127.0.0.1 and is stopped when its ``with`` block ends.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,8 +21,11 @@ import httpx
 import torch
 from safetensors.torch import load_file, save_file
 
+from delta_swap import store_keys
+from delta_swap.arena import file_owner
 from delta_swap.publisher import Publisher, PublisherConfig
 from delta_swap.settings import Settings
+from delta_swap.stores import open_store
 from examples.servers import sglang as sglang_server
 from examples.servers import vllm as vllm_server
 from examples.servers.process import Server
@@ -138,22 +142,17 @@ class PublishedAhead:
 
     def release(self) -> int:
         """Make the next step visible in ``store``; returns that step."""
-        head = self.heads[self.step + 1]
-        snapshot = json.loads(head)["snapshot_id"]
-        src, dst = self.source / "snapshots" / snapshot, self.store / "snapshots" / snapshot
-        files = sorted((p for p in src.rglob("*") if p.is_file()), key=lambda p: p.name == "manifest.json")
-        for path in files:
-            _write_atomic(dst / path.relative_to(src), path.read_bytes())
-        _write_atomic(self.store / "HEAD", head)
+        asyncio.run(self._upload(self.heads[self.step + 1]))
         self.step += 1
         return self.step
 
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{path.name}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    async def _upload(self, head: bytes) -> None:
+        src, dst = open_store(str(self.source)), open_store(str(self.store), create=True)
+        snapshot = json.loads(head)["snapshot_id"]
+        manifest = store_keys.manifest_key(snapshot)
+        for key in sorted(await src.list(store_keys.snapshot_prefix(snapshot)), key=lambda k: k == manifest):
+            await dst.put(key, await src.get(key))
+        await dst.put(store_keys.HEAD_KEY, head)
 
 
 @contextlib.contextmanager
@@ -180,27 +179,27 @@ def status(url: str) -> dict:
     return httpx.get(f"{url}/delta_swap/status", timeout=60).json()
 
 
-def wait_step(url: str, step: int, timeout: float = 600, every_s: float = 0.02) -> dict:
-    """The server's status once it serves ``step`` (asked every ``every_s`` seconds)."""
+def wait_status(url: str, done: Callable[[dict], bool], what: str, timeout: float, every_s: float) -> dict:
+    """The server's status once ``done(status)`` holds (asked every ``every_s`` seconds)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         st = status(url)
-        if st["current_step"] == step:
+        if done(st):
             return st
         time.sleep(every_s)
-    raise TimeoutError(f"server did not reach step {step}: {json.dumps(status(url))[:400]}")
+    raise TimeoutError(f"server did not {what}: {json.dumps(status(url))[:400]}")
+
+
+def wait_step(url: str, step: int, timeout: float = 600, every_s: float = 0.02) -> dict:
+    """The server's status once it serves ``step``."""
+    return wait_status(url, lambda st: st["current_step"] == step, f"reach step {step}", timeout, every_s)
 
 
 def wait_ready(url: str, timeout: float = 900) -> dict:
     """The server's status once it serves its first snapshot and its codec is compiled (a cold
     numba cache costs ~15 s of a core, which must not land inside a measurement)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        st = status(url)
-        if st["current_step"] is not None and st["codec_ready"]:
-            return st
-        time.sleep(0.2)
-    raise TimeoutError(f"server not ready: {json.dumps(status(url))[:400]}")
+    return wait_status(url, lambda st: st["current_step"] is not None and st["codec_ready"], "get ready",
+                       timeout, 0.2)
 
 
 def engine_reload(engine: str, url: str, folder: Path, version: str | None) -> float:
@@ -259,8 +258,9 @@ def tree_memory(pid: int) -> int:
         except OSError:
             continue
         total += (int(fields.get("Pss", "0 kB").split()[0]) - int(fields.get("Pss_Shmem", "0 kB").split()[0])) * 1024
-    for p in tree:
-        for arena in Path(Settings().staging_dir).glob(f"delta-swap-arena-{p}-*"):
+    pids = set(tree)
+    for arena in Path(Settings().staging_dir).glob("delta-swap-arena-*"):
+        if file_owner(arena) in pids:
             try:
                 total += arena.stat().st_blocks * 512
             except FileNotFoundError:

@@ -41,7 +41,6 @@ def measure(engine: str, size: str, work: Path, updates: int) -> dict:
     delta, full = [], []
     try:
         with engine_server(engine, model, run / "server", store=run / "store") as server:
-            wait_step(server.url, 0)
             wait_ready(server.url)
             for i in range(updates):
                 trainer.advance()  # the synthetic training step is not part of the latency

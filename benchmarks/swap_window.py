@@ -45,7 +45,6 @@ def measure(engine: str, size: str, work: Path, updates: int) -> dict:
     rows: dict = {"engine": engine, "size": size, "model_bytes": model_bytes(model), "updates": []}
     try:
         with engine_server(engine, model, run / "server", store=run / "store") as server:
-            wait_step(server.url, 0)
             wait_ready(server.url)
             for _ in range(updates):
                 trainer.advance()  # the synthetic training step is not part of the latency

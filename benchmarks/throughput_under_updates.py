@@ -112,7 +112,6 @@ def run_mode(engine: str, model: Path, work: Path, mode: str, args: argparse.Nam
     tokens = {"quiet": 0, "updates": 0}
     windows: list[float] = []
     with engine_server(engine, model, run / "server", store=run / "store", settings=settings) as server:
-        wait_step(server.url, 0)
         wait_ready(server.url)
         load = Load(server.url, args.streams, args.max_tokens)
         load.start()

@@ -1,6 +1,6 @@
 """Figure 4: host memory delta-swap adds during an update, over the model's bytes, on vLLM and SGLang.
 
-    python -m benchmarks.update_memory [--engines vllm sglang] [--sizes 60M 160M] [--updates 5]
+    python -m benchmarks.update_memory [--engines vllm sglang] [--sizes 160M 350M] [--updates 5]
 
 Memory is that of the whole server process tree (``harness.tree_memory``): the proportional set
 size of its processes, so pages shared between them count once, with the weight arenas counted as
@@ -85,7 +85,6 @@ def measure(engine: str, size: str, work: Path, updates: int) -> dict:
         with engine_server(engine, model, run / "plugin", store=run / "store", wait=False) as server:
             with Sampler(server.proc.pid) as first_sync:
                 server.wait_healthy(900)
-                wait_step(server.url, 0)
                 wait_ready(server.url)
                 _warm(server.url)
             time.sleep(2)

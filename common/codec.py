@@ -78,8 +78,8 @@ def start_warm_up(encoder: bool = True) -> threading.Thread:
     cache, under a second (benchmarks/README.md).
 
     The kernels are compiled in a child process (at a lower priority than the engine), which fills
-    numba's on-disk cache, and then loaded from that cache here: a compile leaves ~90 MB of LLVM's working memory in the process
-    that ran it, and a server should not carry that for its whole life."""
+    numba's on-disk cache, and then loaded from that cache here: a compile leaves ~90 MB of LLVM's
+    working memory in the process that ran it, and a server should not carry that for its life."""
 
     def run() -> None:
         try:
