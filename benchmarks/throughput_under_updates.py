@@ -2,20 +2,22 @@
 over the same load without updates, for each drain mode, on vLLM and SGLang (CPU).
 
     python -m benchmarks.throughput_under_updates [--engines vllm sglang] [--size 160M] [--streams 4]
-        [--max-tokens 512] [--seconds 60] [--rounds 2] [--interval 10] [--modes keep wait abort]
+        [--max-tokens 512] [--seconds 120] [--rounds 4] [--interval 10] [--modes keep wait abort] [--merge]
 
 The load is the official ``openai`` client streaming ``/v1/completions`` (long generations,
 ``--max-tokens`` each, ``--streams`` at once, a new request as soon as one ends; the streams' first
-requests are shorter, 1/n .. n/n of the length, so that requests end spread over time). Each drain mode
-gets a fresh server following a store, and the comparison is made inside that server: its time
-is cut into windows without updates and windows with an RL-sized update (2% of elements, 1-3 ULP)
-every ``--interval`` seconds, ``--seconds`` of each in all, in the order quiet, updates, updates,
-quiet, ... so that a drift of the load's speed over time (contexts grow) hits both alike. The
+requests are shorter, 1/n .. n/n of the length, so that requests end spread over time; measuring
+starts once every stream's first request ended, when the load is steady). Each drain mode gets a
+fresh server following a store, and the comparison is made inside that server: its time is cut
+into windows without updates and windows with an RL-sized update (2% of elements, 1-3 ULP) every
+``--interval`` seconds, ``--seconds`` of each in all, in the order quiet, updates, updates, quiet,
+quiet, updates, ... so that a drift of the load's speed over time hits both alike. The
 trainer publishes the updates before the load starts and they are released into the served store
 one at a time, as a trainer on other machines would upload them: the measured cores run the
-engine, its load and delta-swap only. Tokens are counted as they arrive. Prints a table (tokens/s
-without and with updates, retained %, swap window, requests ended and aborted) and writes
-docs/throughput_under_updates.png.
+engine, its load and delta-swap only. Tokens are counted as they arrive (from each chunk's
+per-token logprobs: a chunk may carry several). Prints a table (tokens/s without and with updates,
+retained %, swap window, requests ended and aborted) and writes docs/throughput_under_updates.png;
+``--merge`` keeps the rows of engines and modes not run this time from the JSON already there.
 """
 
 from __future__ import annotations
@@ -52,9 +54,10 @@ class Load:
 
         self.client = OpenAI(base_url=f"{url}/v1", api_key="none", timeout=600)
         self.max_tokens = max_tokens
-        self.arrivals: list[float] = []
+        self.arrivals: list[tuple[float, int]] = []  # (time, tokens) of every chunk that carried text
         self.finished: list[dict] = []
         self.stop = threading.Event()
+        self.first_ended = threading.Semaphore(0)  # released once by each stream's first request
         self.threads = [threading.Thread(target=self._run, args=(i, streams), daemon=True) for i in range(streams)]
         self._lock = threading.Lock()
 
@@ -66,18 +69,22 @@ class Load:
         # The streams' first requests are 1/n, 2/n, ... of the length: from then on requests end
         # (and restart with a prefill) spread over time, not all at once inside one window.
         max_tokens = self.max_tokens * (index + 1) // streams
+        first = True
         while not self.stop.is_set():
             reason, versions = None, None
             try:
+                # logprobs: each chunk lists its tokens (an engine whose output handler falls behind
+                # merges several steps' text into one chunk: counting chunks would undercount them)
                 stream = self.client.completions.create(
                     model=MODEL_NAME, prompt=PROMPT, max_tokens=max_tokens, temperature=1.0, stream=True,
-                    extra_body={"ignore_eos": True})
+                    logprobs=1, extra_body={"ignore_eos": True})
                 for chunk in stream:
                     now = time.monotonic()
                     for choice in chunk.choices:
-                        if choice.text:
+                        tokens = len(choice.logprobs.tokens or []) if choice.logprobs else int(bool(choice.text))
+                        if tokens:
                             with self._lock:
-                                self.arrivals.append(now)
+                                self.arrivals.append((now, tokens))
                         if choice.finish_reason:
                             reason = choice.finish_reason
                             versions = (choice.model_extra or {}).get("weight_versions")
@@ -88,11 +95,26 @@ class Load:
                 time.sleep(0.5)
             with self._lock:
                 self.finished.append({"reason": reason, "versions": versions})
+            if first:
+                first = False
+                self.first_ended.release()
             max_tokens = self.max_tokens
+
+    def wait_steady(self, timeout: float) -> None:
+        """Until every stream's first (shortened) request ended: from then on request ends are
+        spread over time and the load's speed is steady."""
+        deadline = time.monotonic() + timeout
+        for _ in self.threads:
+            if not self.first_ended.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                raise TimeoutError(f"the load's first requests did not end within {timeout:.0f} s")
 
     def tokens_between(self, start: float, end: float) -> int:
         with self._lock:
-            return sum(1 for t in self.arrivals if start <= t < end)
+            return sum(n for t, n in self.arrivals if start <= t < end)
+
+    def chunks_between(self, start: float, end: float) -> int:
+        with self._lock:
+            return sum(1 for t, _ in self.arrivals if start <= t < end)
 
     def close(self) -> None:
         self.stop.set()
@@ -111,34 +133,44 @@ def run_mode(engine: str, model: Path, work: Path, mode: str, args: argparse.Nam
     spent = {"quiet": 0.0, "updates": 0.0}
     tokens = {"quiet": 0, "updates": 0}
     windows: list[float] = []
+    releases: list[tuple[float, float]] = []  # (released, served) of every update
+    rates: dict[str, list[float]] = {"quiet": [], "updates": []}
     with engine_server(engine, model, run / "server", store=run / "store", settings=settings) as server:
         wait_ready(server.url)
         load = Load(server.url, args.streams, args.max_tokens)
         load.start()
+        load.wait_steady(timeout=1800)
         time.sleep(args.warmup)
         for r in range(args.rounds):
-            for kind in ("quiet", "updates") if r % 2 == 0 else ("updates", "quiet"):
+            for kind in ("quiet", "updates") if r % 2 == 0 else ("updates", "quiet"):  # Q U U Q Q U ...
                 start = time.monotonic()
                 if kind == "quiet":
                     time.sleep(window_s)
                 for _ in range(per_window if kind == "updates" else 0):
                     time.sleep(args.interval)
                     step = chain.release()
+                    released = time.monotonic()
                     # wait mode may drain for up to drain_timeout before the swap even starts
                     # (asked 4 times a second: each status call costs the server a little CPU)
                     st = wait_step(server.url, step, timeout=drain_timeout + args.interval * 6, every_s=0.25)
+                    releases.append((released, time.monotonic()))
                     t = st["last_update_timings_s"]
                     windows.append(sum(t.get(p, 0.0) for p in ("pause", "swap", "resume")))
                 end = time.monotonic()
                 spent[kind] += end - start
                 tokens[kind] += load.tokens_between(start, end)
+                rates[kind].append(load.tokens_between(start, end) / (end - start))
+        time.sleep(LOCAL_S)  # the last update's local comparison needs the seconds after it
         load.close()
         final = status(server.url)
+    lost = [local_loss(load, *r) for r in releases]
     finished = load.finished
     quiet, busy = tokens["quiet"] / spent["quiet"], tokens["updates"] / spent["updates"]
-    return {"engine": engine, "mode": mode, "quiet_tokens_per_s": quiet, "tokens_per_s": busy,
+    return {"engine": engine, "mode": mode, "measured": time.strftime("%Y-%m-%d"), "quiet_tokens_per_s": quiet, "tokens_per_s": busy,
             "retained": busy / quiet if quiet else float("nan"), "seconds": spent,
-            "updates": len(windows), "window_s": windows,
+            "updates": len(windows), "window_s": windows, "window_tokens_per_s": rates,
+            # seconds of generation each update cost, against the load's speed just before it
+            "lost_s": lost, "retained_local": 1 - statistics.mean(lost) / args.interval if lost else float("nan"),
             # requests that ended inside the run (those cut off when the load stops carry no reason)
             "requests": sum(1 for f in finished if f["reason"]),
             "aborted": sum(1 for f in finished if f["reason"] and f["reason"] not in ("length", "stop")),
@@ -146,14 +178,32 @@ def run_mode(engine: str, model: Path, work: Path, mode: str, args: argparse.Nam
             "swap_path": final.get("swap_path")}
 
 
+#: Seconds before and after an update compared by :func:`local_loss`.
+LOCAL_S = 4.0
+
+
+def local_loss(load: Load, released: float, served: float) -> float:
+    """Seconds of generation an update cost: the tokens from its release until ``LOCAL_S`` seconds
+    after it was served, against as many seconds at the speed of the ``LOCAL_S`` seconds before
+    the release. Local, so the slow swings of a load's speed (its requests' contexts grow and
+    restart) cancel out."""
+    before = load.tokens_between(released - LOCAL_S, released) / LOCAL_S
+    end = served + LOCAL_S
+    after = load.tokens_between(released, end)
+    return (before * (end - released) - after) / before if before else float("nan")
+
+
 def summarize(rows: list[dict]) -> list[str]:
-    lines = [f"{'engine':<7} {'drain':>6} {'tokens/s quiet':>15} {'with updates':>13} {'retained':>9} {'updates':>8} "
-             f"{'window ms':>10} {'requests':>9} {'aborted':>8} {'2+ versions':>12}"]
+    lines = [f"{'engine':<7} {'drain':>6} {'tokens/s quiet':>15} {'with updates':>13} {'retained':>9} {'local':>7} "
+             f"{'lost s/update':>14} {'updates':>8} {'window ms':>10} {'requests':>9} {'aborted':>8} {'2+ versions':>12} "
+             f"{'measured':>11}"]
     for r in rows:
         window = 1000 * statistics.median(r["window_s"]) if r["window_s"] else 0.0
         lines.append(f"{r['engine']:<7} {r['mode']:>6} {r['quiet_tokens_per_s']:>15.2f} {r['tokens_per_s']:>13.2f} "
-                     f"{100 * r['retained']:>8.1f}% {r['updates']:>8} {window:>10.1f} {r['requests']:>9} "
-                     f"{r['aborted']:>8} {r['multi_version']:>12}")
+                     f"{100 * r['retained']:>8.1f}% {100 * r.get('retained_local', float('nan')):>6.1f}% "
+                     f"{statistics.median(r['lost_s']) if r.get('lost_s') else float('nan'):>14.2f} "
+                     f"{r['updates']:>8} {window:>10.1f} {r['requests']:>9} "
+                     f"{r['aborted']:>8} {r['multi_version']:>12} {r.get('measured', ''):>11}")
     return lines
 
 
@@ -169,13 +219,18 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     width = 0.8 / len(modes)
     for i, mode in enumerate(modes):
         values = [next((100 * r["retained"] for r in rows if r["engine"] == e and r["mode"] == mode), 0) for e in engines]
-        bars = ax.bar([e + i * width for e in range(len(engines))], values, width, label=mode)
+        xs = [e + i * width for e in range(len(engines))]
+        bars = ax.bar(xs, values, width, label=mode)
         ax.bar_label(bars, fmt="%.0f%%", fontsize=8)
+        local = [next((100 * r.get("retained_local", float("nan")) for r in rows if r["engine"] == e and r["mode"] == mode),
+                      float("nan")) for e in engines]
+        ax.plot(xs, local, "k_", markersize=14, label="local estimate" if i == 0 else None)
     ax.axhline(95, color="gray", linestyle="--", linewidth=1)
     ax.set_xticks([e + width * (len(modes) - 1) / 2 for e in range(len(engines))], engines)
     ax.set_ylabel("tokens/s retained (% of quiet windows)")
     ax.set_title(title, fontsize=9)
-    ax.legend(title="drain", fontsize=8)
+    ax.set_ylim(0, 125)
+    ax.legend(title="drain (bars: whole windows)", fontsize=8, title_fontsize=8, loc="upper center", ncol=4)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -187,22 +242,31 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["keep", "wait", "abort"], choices=["keep", "wait", "abort"])
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=512)
-    parser.add_argument("--seconds", type=float, default=60.0, help="seconds with updates (and as many without)")
-    parser.add_argument("--rounds", type=int, default=2, help="windows of each kind (alternating)")
+    parser.add_argument("--seconds", type=float, default=120.0, help="seconds with updates (and as many without)")
+    parser.add_argument("--rounds", type=int, default=4, help="windows of each kind (alternating)")
     parser.add_argument("--interval", type=float, default=10.0)
-    parser.add_argument("--warmup", type=float, default=15.0, help="seconds of load before the window starts")
+    parser.add_argument("--warmup", type=float, default=5.0,
+                        help="seconds of load after its first requests ended, before measuring")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the JSON's rows of engines/modes not run now (table and plot show all)")
     parser.add_argument("--workdir")
     parser.add_argument("--json", default=str(DOCS / "throughput_under_updates.json"))
     parser.add_argument("--plot", default=str(DOCS / "throughput_under_updates.png"))
     args = parser.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="delta-swap-throughput-"))
     model = make_model(work / "models", args.size)
+    kept = []
+    if args.merge and Path(args.json).exists():
+        kept = [r for r in json.loads(Path(args.json).read_text())
+                if not (r["engine"] in args.engines and r["mode"] in args.modes)]
     rows = []
     for engine in args.engines:
         for mode in args.modes:
             rows.append(run_mode(engine, model, work, mode, args))
             print(summarize(rows)[-1], flush=True)
-            Path(args.json).write_text(json.dumps(rows, indent=1))  # what ran so far survives a later failure
+            rows_out = sorted(kept + rows, key=lambda r: (r["engine"], ("keep", "wait", "abort").index(r["mode"])))
+            Path(args.json).write_text(json.dumps(rows_out, indent=1))  # what ran so far survives a later failure
+    rows = rows_out
     print("\n".join(summarize(rows)))
     mb = model_bytes(model) / 1e6
     plot(rows, Path(args.plot), f"Steady streaming load, {args.streams} x {args.max_tokens}-token completions, an update "
