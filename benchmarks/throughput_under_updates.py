@@ -170,7 +170,8 @@ def run_mode(engine: str, model: Path, work: Path, mode: str, args: argparse.Nam
             "retained": busy / quiet if quiet else float("nan"), "seconds": spent,
             "updates": len(windows), "window_s": windows, "window_tokens_per_s": rates,
             # seconds of generation each update cost, against the load's speed just before it
-            "lost_s": lost, "retained_local": 1 - statistics.mean(lost) / args.interval if lost else float("nan"),
+            # (the share of the update windows' time lost: updates come every interval + drain)
+            "lost_s": lost, "retained_local": 1 - sum(lost) / spent["updates"] if lost else float("nan"),
             # requests that ended inside the run (those cut off when the load stops carry no reason)
             "requests": sum(1 for f in finished if f["reason"]),
             "aborted": sum(1 for f in finished if f["reason"] and f["reason"] not in ("length", "stop")),
