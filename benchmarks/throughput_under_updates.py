@@ -44,6 +44,7 @@ from benchmarks.harness import (
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 PROMPT = "The rollout server keeps generating while the trainer publishes"
+MODES = ("keep", "wait", "abort")
 
 
 class Load:
@@ -112,10 +113,6 @@ class Load:
         with self._lock:
             return sum(n for t, n in self.arrivals if start <= t < end)
 
-    def chunks_between(self, start: float, end: float) -> int:
-        with self._lock:
-            return sum(1 for t, _ in self.arrivals if start <= t < end)
-
     def close(self) -> None:
         self.stop.set()
         for t in self.threads:
@@ -157,9 +154,10 @@ def run_mode(engine: str, model: Path, work: Path, mode: str, args: argparse.Nam
                     t = st["last_update_timings_s"]
                     windows.append(sum(t.get(p, 0.0) for p in ("pause", "swap", "resume")))
                 end = time.monotonic()
+                generated = load.tokens_between(start, end)
                 spent[kind] += end - start
-                tokens[kind] += load.tokens_between(start, end)
-                rates[kind].append(load.tokens_between(start, end) / (end - start))
+                tokens[kind] += generated
+                rates[kind].append(generated / (end - start))
         time.sleep(LOCAL_S)  # the last update's local comparison needs the seconds after it
         load.close()
         final = status(server.url)
@@ -215,16 +213,17 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     engines = sorted({r["engine"] for r in rows})
-    modes = [m for m in ("keep", "wait", "abort") if any(r["mode"] == m for r in rows)]
+    modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
+    by_run = {(r["engine"], r["mode"]): r for r in rows}
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     width = 0.8 / len(modes)
     for i, mode in enumerate(modes):
-        values = [next((100 * r["retained"] for r in rows if r["engine"] == e and r["mode"] == mode), 0) for e in engines]
+        values = [100 * by_run[e, mode]["retained"] if (e, mode) in by_run else 0 for e in engines]
         xs = [e + i * width for e in range(len(engines))]
         bars = ax.bar(xs, values, width, label=mode)
         ax.bar_label(bars, fmt="%.0f%%", fontsize=8)
-        local = [next((100 * r.get("retained_local", float("nan")) for r in rows if r["engine"] == e and r["mode"] == mode),
-                      float("nan")) for e in engines]
+        local = [100 * by_run[e, mode].get("retained_local", float("nan")) if (e, mode) in by_run else float("nan")
+                 for e in engines]
         ax.plot(xs, local, "k_", markersize=14, label="local estimate" if i == 0 else None)
     ax.axhline(95, color="gray", linestyle="--", linewidth=1)
     ax.set_xticks([e + width * (len(modes) - 1) / 2 for e in range(len(engines))], engines)
@@ -240,7 +239,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", nargs="+", default=["vllm", "sglang"], choices=["vllm", "sglang"])
     parser.add_argument("--size", default="160M", choices=list(SIZES))
-    parser.add_argument("--modes", nargs="+", default=["keep", "wait", "abort"], choices=["keep", "wait", "abort"])
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--seconds", type=float, default=120.0, help="seconds with updates (and as many without)")
@@ -256,18 +255,17 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="delta-swap-throughput-"))
     model = make_model(work / "models", args.size)
-    kept = []
+    kept: list[dict] = []
     if args.merge and Path(args.json).exists():
         kept = [r for r in json.loads(Path(args.json).read_text())
                 if not (r["engine"] in args.engines and r["mode"] in args.modes)]
-    rows = []
+    rows = kept
     for engine in args.engines:
         for mode in args.modes:
-            rows.append(run_mode(engine, model, work, mode, args))
-            print(summarize(rows)[-1], flush=True)
-            rows_out = sorted(kept + rows, key=lambda r: (r["engine"], ("keep", "wait", "abort").index(r["mode"])))
-            Path(args.json).write_text(json.dumps(rows_out, indent=1))  # what ran so far survives a later failure
-    rows = rows_out
+            new = run_mode(engine, model, work, mode, args)
+            print(summarize([new])[-1], flush=True)
+            rows = sorted([*rows, new], key=lambda r: (r["engine"], MODES.index(r["mode"])))
+            Path(args.json).write_text(json.dumps(rows, indent=1))  # what ran so far survives a later failure
     print("\n".join(summarize(rows)))
     mb = model_bytes(model) / 1e6
     plot(rows, Path(args.plot), f"Steady streaming load, {args.streams} x {args.max_tokens}-token completions, an update "

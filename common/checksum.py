@@ -19,7 +19,10 @@ def checksum(data: bytes | bytearray | memoryview) -> str:
 
 def verify(data: bytes | bytearray | memoryview, expected: str, what: str) -> None:
     """Raise ChecksumMismatchError if ``data`` does not hash to ``expected``."""
-    actual = checksum(data)
+    _check(checksum(data), expected, what)
+
+
+def _check(actual: str, expected: str, what: str) -> None:
     if actual != expected:
         raise ChecksumMismatchError(f"checksum mismatch for {what}: expected {expected}, got {actual}")
 
@@ -44,9 +47,7 @@ class BlobDigest:
     def verify(self, xxh3: str, sha256_hex: str | None, what: str) -> None:
         """Raise ChecksumMismatchError unless the blob matches ``xxh3`` and, when given, ``sha256_hex``
         (which needs a digest made with ``sha256=True``)."""
-        actual = f"{ALGORITHM}:{self._xxh3.hexdigest()}"
-        if actual != xxh3:
-            raise ChecksumMismatchError(f"checksum mismatch for {what}: expected {xxh3}, got {actual}")
+        _check(f"{ALGORITHM}:{self._xxh3.hexdigest()}", xxh3, what)
         if sha256_hex is not None and (self._sha256 is None or self._sha256.hexdigest() != sha256_hex):
             raise ChecksumMismatchError(f"SHA-256 mismatch for {what}")
 

@@ -161,9 +161,10 @@ async def stream_snapshot(
 ) -> StateDict:
     """:func:`apply_snapshot` into ``out`` with every shard fetched in pieces of ``piece_bytes``
     (default :data:`STREAM_PIECE_BYTES`; the next piece is fetched while one is applied): host
-    memory beyond ``out`` is two pieces and the largest encoded tensor, not the snapshot. A shard's size, xxh3 and (when ``authenticated``)
-    SHA-256 are checked over its pieces, every tensor's checksum once all are written; as with
-    ``out`` in :func:`apply_snapshot`, a failure leaves ``out`` partly written."""
+    memory beyond ``out`` is two pieces and the largest encoded tensor, not the snapshot. A
+    shard's size, xxh3 and (when ``authenticated``) SHA-256 are checked over its pieces, every
+    tensor's checksum once all are written; as with ``out`` in :func:`apply_snapshot`, a failure
+    leaves ``out`` partly written."""
     timings = {} if timings is None else timings
     piece_bytes = piece_bytes or STREAM_PIECE_BYTES
     check_applicable(prev, manifest, out)
