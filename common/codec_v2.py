@@ -133,10 +133,11 @@ def _golomb_read(words, pos, m, b, cutoff):
     else:
         win = _peek(words, pos)
     v = np.int64(win & ((np.uint64(1) << np.uint64(b - 1)) - np.uint64(1)))
-    if v < cutoff:
-        return q * m + v, pos + b - 1
+    # truncated binary without a branch (taken about half the time, so a branch mispredicts
+    # often): v >= cutoff reads one more bit t, and the value is then cutoff + 2 (v - cutoff) + t
+    long_ = np.int64(v >= cutoff)
     t = np.int64((win >> np.uint64(b - 1)) & np.uint64(1))
-    return q * m + cutoff + 2 * (v - cutoff) + t, pos + b
+    return q * m + v + long_ * (v - cutoff + t), pos + b - 1 + long_
 
 
 @_inline
@@ -541,10 +542,12 @@ def _dec_streams(words, nbits, n_rows, row_mode, n_row_ev, row_m, cls_nev, cls_m
                 g, pos = _golomb_read(words, pos, m, b, cut)
                 if pos < 0 or pos > nbits or g >= max_mag:
                     return -5
-                vals[j] = -(g + 1) if (signs[rs >> U3] >> (rs & U7)) & U1 else g + 1
+                neg = np.int64((signs[rs >> U3] >> (rs & U7)) & U1)
+                vals[j] = ((g + 1) ^ -neg) + neg  # -(g + 1) when the sign bit is set
                 rs += U1
         else:
             T = mag_par[c]
+            last = rans.size - 1
             f = freqs[freq_off[c]:freq_off[c] + T]
             cum[0] = 0
             for s in range(T):
@@ -555,11 +558,12 @@ def _dec_streams(words, nbits, n_rows, row_mode, n_row_ev, row_m, cls_nev, cls_m
                 slot = x & np.uint64(SCALE - 1)
                 s = np.int64(tab[slot])
                 x = np.uint64(f[s]) * (x >> np.uint64(SCALE_BITS)) + slot - np.uint64(cum[s])
-                if x < RANS_L:
-                    if wp >= rans.size:
-                        return -6
-                    x = (x << np.uint64(16)) | np.uint64(rans[wp])
-                    wp += 1
+                # renormalise without a branch (one 16-bit word is always enough); a read past
+                # the end rereads the last word and is caught by wp's check after the loop
+                need = x < RANS_L
+                w = np.uint64(rans[min(wp, last)])
+                x = (x << np.uint64(16)) | w if need else x
+                wp += np.int64(need)
                 g = s
                 if s == T - 1:
                     L = np.int64(_peek(words, pos) & np.uint64(63))
@@ -572,8 +576,11 @@ def _dec_streams(words, nbits, n_rows, row_mode, n_row_ev, row_m, cls_nev, cls_m
                         return -7
                 if g >= max_mag:
                     return -5
-                vals[j] = -(g + 1) if (signs[rs >> U3] >> (rs & U7)) & U1 else g + 1
+                neg = np.int64((signs[rs >> U3] >> (rs & U7)) & U1)
+                vals[j] = ((g + 1) ^ -neg) + neg  # -(g + 1) when the sign bit is set
                 rs += U1
+            if wp > rans.size:
+                return -6
     if rans.size and (x != RANS_L or wp != rans.size):
         return -8
     if pos != nbits:
