@@ -16,7 +16,8 @@ trainer publishes the updates before the load starts and they are released into 
 one at a time, as a trainer on other machines would upload them: the measured cores run the
 engine, its load and delta-swap only. Tokens are counted as they arrive (from each chunk's
 per-token logprobs: a chunk may carry several). Prints a table (tokens/s without and with updates,
-retained %, swap window, requests ended and aborted) and writes docs/throughput_under_updates.png;
+retained %, also counting only the tokens of requests that were not aborted, which a trainer keeps;
+swap window, requests ended and aborted) and writes docs/throughput_under_updates.png;
 ``--merge`` keeps the rows of engines and modes not run this time from the JSON already there.
 """
 
@@ -41,10 +42,17 @@ from benchmarks.harness import (
     wait_ready,
     wait_step,
 )
+from examples.servers.process import device
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 PROMPT = "The rollout server keeps generating while the trainer publishes"
 MODES = ("keep", "wait", "abort")
+
+
+def ended_normally(reason: str | None) -> bool:
+    """A finish reason of a request whose tokens a trainer keeps (None: cut off when the load
+    stopped)."""
+    return reason is None or reason in ("length", "stop")
 
 
 class Load:
@@ -56,6 +64,7 @@ class Load:
         self.client = OpenAI(base_url=f"{url}/v1", api_key="none", timeout=600)
         self.max_tokens = max_tokens
         self.arrivals: list[tuple[float, int]] = []  # (time, tokens) of every chunk that carried text
+        self.wasted: list[tuple[float, int]] = []  # the same for requests that did not end normally
         self.finished: list[dict] = []
         self.stop = threading.Event()
         self.first_ended = threading.Semaphore(0)  # released once by each stream's first request
@@ -73,6 +82,7 @@ class Load:
         first = True
         while not self.stop.is_set():
             reason, versions = None, None
+            mine: list[tuple[float, int]] = []
             try:
                 # logprobs: each chunk lists its tokens (an engine whose output handler falls behind
                 # merges several steps' text into one chunk: counting chunks would undercount them)
@@ -84,6 +94,7 @@ class Load:
                     for choice in chunk.choices:
                         tokens = len(choice.logprobs.tokens or []) if choice.logprobs else int(bool(choice.text))
                         if tokens:
+                            mine.append((now, tokens))
                             with self._lock:
                                 self.arrivals.append((now, tokens))
                         if choice.finish_reason:
@@ -96,6 +107,8 @@ class Load:
                 time.sleep(0.5)
             with self._lock:
                 self.finished.append({"reason": reason, "versions": versions})
+                if not ended_normally(reason):  # a trainer samples these again: their tokens are lost
+                    self.wasted.extend(mine)
             if first:
                 first = False
                 self.first_ended.release()
@@ -109,9 +122,12 @@ class Load:
             if not self.first_ended.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 raise TimeoutError(f"the load's first requests did not end within {timeout:.0f} s")
 
-    def tokens_between(self, start: float, end: float) -> int:
+    def tokens_between(self, start: float, end: float, *, useful: bool = False) -> int:
+        """Tokens that arrived in [start, end); ``useful``: without those of requests that were
+        aborted or failed (known once they ended)."""
         with self._lock:
-            return sum(n for t, n in self.arrivals if start <= t < end)
+            got = sum(n for t, n in self.arrivals if start <= t < end)
+            return got - sum(n for t, n in self.wasted if start <= t < end) if useful else got
 
     def close(self) -> None:
         self.stop.set()
@@ -130,6 +146,7 @@ def run_mode(engine: str, model: Path, work: Path, mode: str, args: argparse.Nam
     spent = {"quiet": 0.0, "updates": 0.0}
     tokens = {"quiet": 0, "updates": 0}
     windows: list[float] = []
+    spans: list[tuple[str, float, float]] = []  # (kind, start, end) of every measured window
     releases: list[tuple[float, float]] = []  # (released, served) of every update
     rates: dict[str, list[float]] = {"quiet": [], "updates": []}
     with engine_server(engine, model, run / "server", store=run / "store", settings=settings) as server:
@@ -155,6 +172,7 @@ def run_mode(engine: str, model: Path, work: Path, mode: str, args: argparse.Nam
                     windows.append(sum(t.get(p, 0.0) for p in ("pause", "swap", "resume")))
                 end = time.monotonic()
                 generated = load.tokens_between(start, end)
+                spans.append((kind, start, end))
                 spent[kind] += end - start
                 tokens[kind] += generated
                 rates[kind].append(generated / (end - start))
@@ -162,17 +180,22 @@ def run_mode(engine: str, model: Path, work: Path, mode: str, args: argparse.Nam
         load.close()
         final = status(server.url)
     lost = [local_loss(load, *r) for r in releases]
+    useful = {kind: sum(load.tokens_between(a, b, useful=True) for k, a, b in spans if k == kind) / spent[kind]
+              for kind in spent}
     finished = load.finished
     quiet, busy = tokens["quiet"] / spent["quiet"], tokens["updates"] / spent["updates"]
     return {"engine": engine, "mode": mode, "measured": time.strftime("%Y-%m-%d"), "quiet_tokens_per_s": quiet, "tokens_per_s": busy,
             "retained": busy / quiet if quiet else float("nan"), "seconds": spent,
+            # without the tokens of aborted requests, which a trainer samples again
+            "useful_tokens_per_s": useful,
+            "retained_useful": useful["updates"] / useful["quiet"] if useful["quiet"] else float("nan"),
             "updates": len(windows), "window_s": windows, "window_tokens_per_s": rates,
             # seconds of generation each update cost, against the load's speed just before it
             # (the share of the update windows' time lost: updates come every interval + drain)
             "lost_s": lost, "retained_local": 1 - sum(lost) / spent["updates"] if lost else float("nan"),
             # requests that ended inside the run (those cut off when the load stops carry no reason)
             "requests": sum(1 for f in finished if f["reason"]),
-            "aborted": sum(1 for f in finished if f["reason"] and f["reason"] not in ("length", "stop")),
+            "aborted": sum(1 for f in finished if not ended_normally(f["reason"])),
             "multi_version": sum(1 for f in finished if f["versions"] and len(f["versions"]) > 1),
             "swap_path": final.get("swap_path")}
 
@@ -192,14 +215,24 @@ def local_loss(load: Load, released: float, served: float) -> float:
     return (before * (end - released) - after) / before if before else float("nan")
 
 
+def retained_useful(row: dict) -> float:
+    """The row's retained share of useful tokens (rows measured before it was recorded: their
+    retained share when no request was aborted, else unknown)."""
+    if "retained_useful" in row:
+        return row["retained_useful"]
+    return row["retained"] if row["aborted"] == 0 else float("nan")
+
+
 def summarize(rows: list[dict]) -> list[str]:
     lines = [f"{'engine':<7} {'drain':>6} {'tokens/s quiet':>15} {'with updates':>13} {'retained':>9} {'local':>7} "
+             f"{'useful':>7} "
              f"{'lost s/update':>14} {'updates':>8} {'window ms':>10} {'requests':>9} {'aborted':>8} {'2+ versions':>12} "
              f"{'measured':>11}"]
     for r in rows:
         window = 1000 * statistics.median(r["window_s"]) if r["window_s"] else 0.0
         lines.append(f"{r['engine']:<7} {r['mode']:>6} {r['quiet_tokens_per_s']:>15.2f} {r['tokens_per_s']:>13.2f} "
                      f"{100 * r['retained']:>8.1f}% {100 * r.get('retained_local', float('nan')):>6.1f}% "
+                     f"{100 * retained_useful(r):>6.1f}% "
                      f"{statistics.median(r['lost_s']) if r.get('lost_s') else float('nan'):>14.2f} "
                      f"{r['updates']:>8} {window:>10.1f} {r['requests']:>9} "
                      f"{r['aborted']:>8} {r['multi_version']:>12} {r.get('measured', ''):>11}")
@@ -225,6 +258,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         local = [100 * by_run[e, mode].get("retained_local", float("nan")) if (e, mode) in by_run else float("nan")
                  for e in engines]
         ax.plot(xs, local, "k_", markersize=14, label="local estimate" if i == 0 else None)
+        useful = [100 * retained_useful(by_run[e, mode]) if (e, mode) in by_run else float("nan") for e in engines]
+        ax.plot(xs, useful, "kx", markersize=6, label="without aborted requests' tokens" if i == 0 else None)
     ax.axhline(95, color="gray", linestyle="--", linewidth=1)
     ax.set_xticks([e + width * (len(modes) - 1) / 2 for e in range(len(engines))], engines)
     ax.set_ylabel("tokens/s retained (% of quiet windows)")
@@ -269,7 +304,7 @@ def main() -> None:
     print("\n".join(summarize(rows)))
     mb = model_bytes(model) / 1e6
     plot(rows, Path(args.plot), f"Steady streaming load, {args.streams} x {args.max_tokens}-token completions, an update "
-                                f"every {args.interval:g} s ({mb:.0f} MB model, CPU)")
+                                f"every {args.interval:g} s ({mb:.0f} MB model, {device().upper()})")
     print(f"wrote {args.plot} and {args.json}")
 
 
