@@ -264,7 +264,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     ax.set_xticks([e + width * (len(modes) - 1) / 2 for e in range(len(engines))], engines)
     ax.set_ylabel("tokens/s retained (% of quiet windows)")
     ax.set_title(title, fontsize=9)
-    ax.set_ylim(0, 125)
+    ax.set_ylim(0, 145)
     ax.legend(title="drain (bars: whole windows)", fontsize=8, title_fontsize=8, loc="upper center", ncol=4)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
