@@ -55,6 +55,35 @@ def ended_normally(reason: str | None) -> bool:
     return reason is None or reason in ("length", "stop")
 
 
+class TokenLog:
+    """When a load's tokens arrived, and which of them belonged to requests that did not end
+    normally (thread safe)."""
+
+    def __init__(self) -> None:
+        self.arrivals: list[tuple[float, int]] = []  # (time, tokens) of every chunk that carried text
+        self.wasted: list[tuple[float, int]] = []  # the same for requests that did not end normally
+        self.finished: list[dict] = []  # {"reason", "versions"} of every request that ended
+        self._lock = threading.Lock()
+
+    def arrived(self, now: float, tokens: int) -> None:
+        with self._lock:
+            self.arrivals.append((now, tokens))
+
+    def ended(self, reason: str | None, versions: list | None, arrivals: list[tuple[float, int]]) -> None:
+        """A request ended with ``reason``; ``arrivals`` are its own (they were logged as they came)."""
+        with self._lock:
+            self.finished.append({"reason": reason, "versions": versions})
+            if not ended_normally(reason):  # a trainer samples these again: their tokens are lost
+                self.wasted.extend(arrivals)
+
+    def tokens_between(self, start: float, end: float, *, useful: bool = False) -> int:
+        """Tokens that arrived in [start, end); ``useful``: without those of requests that were
+        aborted or failed (known once they ended)."""
+        with self._lock:
+            got = sum(n for t, n in self.arrivals if start <= t < end)
+            return got - sum(n for t, n in self.wasted if start <= t < end) if useful else got
+
+
 class Load:
     """``streams`` clients, each streaming one completion after another until stopped."""
 
@@ -63,13 +92,10 @@ class Load:
 
         self.client = OpenAI(base_url=f"{url}/v1", api_key="none", timeout=600)
         self.max_tokens = max_tokens
-        self.arrivals: list[tuple[float, int]] = []  # (time, tokens) of every chunk that carried text
-        self.wasted: list[tuple[float, int]] = []  # the same for requests that did not end normally
-        self.finished: list[dict] = []
+        self.log = TokenLog()
         self.stop = threading.Event()
         self.first_ended = threading.Semaphore(0)  # released once by each stream's first request
         self.threads = [threading.Thread(target=self._run, args=(i, streams), daemon=True) for i in range(streams)]
-        self._lock = threading.Lock()
 
     def start(self) -> None:
         for t in self.threads:
@@ -95,8 +121,7 @@ class Load:
                         tokens = len(choice.logprobs.tokens or []) if choice.logprobs else int(bool(choice.text))
                         if tokens:
                             mine.append((now, tokens))
-                            with self._lock:
-                                self.arrivals.append((now, tokens))
+                            self.log.arrived(now, tokens)
                         if choice.finish_reason:
                             reason = choice.finish_reason
                             versions = (choice.model_extra or {}).get("weight_versions")
@@ -105,10 +130,7 @@ class Load:
             except Exception as exc:  # a failed request is recorded, then the client carries on
                 reason = f"error: {type(exc).__name__}"
                 time.sleep(0.5)
-            with self._lock:
-                self.finished.append({"reason": reason, "versions": versions})
-                if not ended_normally(reason):  # a trainer samples these again: their tokens are lost
-                    self.wasted.extend(mine)
+            self.log.ended(reason, versions, mine)
             if first:
                 first = False
                 self.first_ended.release()
@@ -121,13 +143,6 @@ class Load:
         for _ in self.threads:
             if not self.first_ended.acquire(timeout=max(0.0, deadline - time.monotonic())):
                 raise TimeoutError(f"the load's first requests did not end within {timeout:.0f} s")
-
-    def tokens_between(self, start: float, end: float, *, useful: bool = False) -> int:
-        """Tokens that arrived in [start, end); ``useful``: without those of requests that were
-        aborted or failed (known once they ended)."""
-        with self._lock:
-            got = sum(n for t, n in self.arrivals if start <= t < end)
-            return got - sum(n for t, n in self.wasted if start <= t < end) if useful else got
 
     def close(self) -> None:
         self.stop.set()
@@ -171,7 +186,7 @@ def run_mode(engine: str, model: Path, work: Path, mode: str, args: argparse.Nam
                     t = st["last_update_timings_s"]
                     windows.append(sum(t.get(p, 0.0) for p in ("pause", "swap", "resume")))
                 end = time.monotonic()
-                generated = load.tokens_between(start, end)
+                generated = load.log.tokens_between(start, end)
                 spans.append((kind, start, end))
                 spent[kind] += end - start
                 tokens[kind] += generated
@@ -179,10 +194,10 @@ def run_mode(engine: str, model: Path, work: Path, mode: str, args: argparse.Nam
         time.sleep(LOCAL_S)  # the last update's local comparison needs the seconds after it
         load.close()
         final = status(server.url)
-    lost = [local_loss(load, *r) for r in releases]
-    useful = {kind: sum(load.tokens_between(a, b, useful=True) for k, a, b in spans if k == kind) / spent[kind]
+    lost = [local_loss(load.log, *r) for r in releases]
+    useful = {kind: sum(load.log.tokens_between(a, b, useful=True) for k, a, b in spans if k == kind) / spent[kind]
               for kind in spent}
-    finished = load.finished
+    finished = load.log.finished
     quiet, busy = tokens["quiet"] / spent["quiet"], tokens["updates"] / spent["updates"]
     return {"engine": engine, "mode": mode, "measured": time.strftime("%Y-%m-%d"), "quiet_tokens_per_s": quiet, "tokens_per_s": busy,
             "retained": busy / quiet if quiet else float("nan"), "seconds": spent,
@@ -204,14 +219,14 @@ def run_mode(engine: str, model: Path, work: Path, mode: str, args: argparse.Nam
 LOCAL_S = 4.0
 
 
-def local_loss(load: Load, released: float, served: float) -> float:
+def local_loss(log: TokenLog, released: float, served: float) -> float:
     """Seconds of generation an update cost: the tokens from its release until ``LOCAL_S`` seconds
     after it was served, against as many seconds at the speed of the ``LOCAL_S`` seconds before
     the release. Local, so the slow swings of a load's speed (its requests' contexts grow and
     restart) cancel out."""
-    before = load.tokens_between(released - LOCAL_S, released) / LOCAL_S
+    before = log.tokens_between(released - LOCAL_S, released) / LOCAL_S
     end = served + LOCAL_S
-    after = load.tokens_between(released, end)
+    after = log.tokens_between(released, end)
     return (before * (end - released) - after) / before if before else float("nan")
 
 

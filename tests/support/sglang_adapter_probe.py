@@ -49,6 +49,7 @@ class FakeTokenizerManager:
     def __init__(self, update_results: list[bool]) -> None:
         self.model_update_lock = RWLock()
         self.is_pause = False
+        self.is_pause_cond = asyncio.Condition()
         self.version = "v0"
         self.update_results = list(update_results)
         self.calls: list[str] = []
@@ -128,14 +129,27 @@ async def main() -> None:
     check({"stage", "pause", "swap", "resume"} <= set(timings), f"timings {timings}")
     print("ok: swap")
 
-    # A refused load puts the previous tensors back under the previous version, then resumes.
+    # abort mode: new requests are held and the running one is aborted before the pause; a refused
+    # load then puts the previous tensors back under the previous version, and generation resumes.
     tm = FakeTokenizerManager([False, True])
+    await tm.model_update_lock.acquire_reader()  # a request in flight
+    held: list[bool] = []
+
+    async def end_when_aborted() -> None:
+        while "abort_all" not in tm.calls:
+            await asyncio.sleep(0.01)
+        held.append(tm.is_pause)
+        await tm.model_update_lock.release_reader()
+
+    releaser = asyncio.create_task(end_when_aborted())
     try:
         await swap(tm, "abort", update("s2", new, old))
         check(False, "a refused load must raise")
     except EngineError as exc:
         check("refused by the scripted engine" in str(exc), str(exc))
-    check(tm.calls == ["pause:abort", "pause:retract", "begin", "update:s2", "end", "begin", "update:v0", "end",
+    await releaser
+    check(held == [True], "new requests are held while the running ones are aborted")
+    check(tm.calls == ["abort_all", "pause:retract", "begin", "update:s2", "end", "begin", "update:v0", "end",
                        "continue"], f"rollback calls {tm.calls}")
     check(tm.flushes == [True, True], "abort mode flushes the radix cache")
     check(tm.loaded[1] == {n: t.data.tobytes() for n, t in old.items()}, "rollback loads the previous bytes")
