@@ -147,7 +147,10 @@ async def main() -> None:
         check(False, "a refused load must raise")
     except EngineError as exc:
         check("refused by the scripted engine" in str(exc), str(exc))
-    await releaser
+    try:
+        await asyncio.wait_for(releaser, 5)
+    except asyncio.TimeoutError:
+        check(False, f"the running request was never aborted: {tm.calls}")
     check(held == [True], "new requests are held while the running ones are aborted")
     check(tm.calls == ["abort_all", "pause:retract", "begin", "update:s2", "end", "begin", "update:v0", "end",
                        "continue"], f"rollback calls {tm.calls}")
