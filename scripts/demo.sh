@@ -6,5 +6,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv=$(bash "$root/scripts/env.sh")
+# This checkout's code first on the path, whatever checkout last pointed the shared environment at.
+export PYTHONPATH="$(bash "$root/scripts/import_root.sh")${PYTHONPATH:+:$PYTHONPATH}"
 cd "$root"
 exec "$venv/bin/python" -m examples.rl_loop "$@"

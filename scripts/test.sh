@@ -3,6 +3,8 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 venv=$(bash "$root/scripts/env.sh")
+# This checkout's code first on the path, whatever checkout last pointed the shared environment at.
+export PYTHONPATH="$(bash "$root/scripts/import_root.sh")${PYTHONPATH:+:$PYTHONPATH}"
 # The fleet smoke test runs a stock nginx as each region's cache (Debian's nginx-light is enough).
 if ! command -v nginx >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light) >&2 \

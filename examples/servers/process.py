@@ -13,9 +13,12 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def device() -> str:
@@ -87,14 +90,31 @@ class Server:
             time.sleep(0.05)
 
 
+@cache
+def _import_root() -> str:
+    """This checkout's packages under their import names (made once per process by
+    scripts/import_root.sh, which prints the folder)."""
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "import_root.sh")], check=True, capture_output=True,
+                         text=True, timeout=60)
+    return out.stdout.strip()
+
+
+def _with_this_checkout(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with this checkout's packages first on PYTHONPATH, so a server imports the plugin
+    from the checkout that started it even when another checkout has since pointed the shared
+    environment's editable install at itself."""
+    paths = [_import_root(), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**env, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+
+
 def launch_server(argv: list[str], env: dict[str, str], log_path: Path, port: int, *, python: str | None = None,
                   host: str = "127.0.0.1", prefix: Sequence[str] = ()) -> Server:
     """Run ``[*prefix, python, *argv]`` (default python: this interpreter; a prefix such as
     ``ip netns exec NS`` runs it elsewhere) in its own process group with ``env`` added; the server
     is reached at ``host:port``. Returns at once."""
     log = open(log_path, "wb")
-    proc = subprocess.Popen([*prefix, python or sys.executable, *argv], env={**os.environ, **env}, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen([*prefix, python or sys.executable, *argv], env=_with_this_checkout({**os.environ, **env}),
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return Server(f"http://{host}:{port}", proc, log_path)
 
 

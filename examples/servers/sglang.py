@@ -16,9 +16,7 @@ from pathlib import Path
 
 from delta_swap.settings import Settings
 
-from .process import GPU_MEMORY_FRACTION, Server, device, free_port, launch_server
-
-ROOT = Path(__file__).resolve().parents[2]
+from .process import GPU_MEMORY_FRACTION, ROOT, Server, device, free_port, launch_server
 
 
 @cache
