@@ -22,6 +22,7 @@ import numpy as np
 
 from . import codec_v1
 from .errors import CorruptDataError
+from .host_memory import page_out_library
 from .manifest import Encoding
 
 #: The codec version new payloads are written with.
@@ -79,7 +80,9 @@ def start_warm_up(encoder: bool = True) -> threading.Thread:
 
     The kernels are compiled in a child process (at a lower priority than the engine), which fills
     numba's on-disk cache, and then loaded from that cache here: a compile leaves ~90 MB of LLVM's
-    working memory in the process that ran it, and a server should not carry that for its life."""
+    working memory in the process that ran it, and a server should not carry that for its life.
+    Once they are loaded, LLVM's code pages are paged out as well (~75 MB resident otherwise;
+    decoding never runs LLVM, and a later compile reads them back from disk)."""
 
     def run() -> None:
         try:
@@ -92,7 +95,8 @@ def start_warm_up(encoder: bool = True) -> threading.Thread:
         try:
             warm_up(encoder)
         except Exception:  # noqa: BLE001 - best effort: decoding works without it
-            pass
+            return
+        page_out_library("llvmlite")  # LLVM ran to load the kernels; decoding does not need it
 
     with _warm_up_lock:
         thread = _warm_up_threads.get(encoder) or _warm_up_threads.get(True)

@@ -20,6 +20,7 @@ import numpy as np
 from .arena import Arena, ArenaLayout
 from .dtypes import dtype_size, from_torch_dtype, to_torch_dtype
 from .errors import ConfigError, DeltaSwapError
+from .host_memory import release_free_heap
 from .tensors import StateDict, TensorSpecs
 
 
@@ -113,14 +114,3 @@ def point_parameters(params: Mapping[str, Any], arena: Arena) -> None:
 
 #: Whether this process's parameters have left the heap for an arena (and its pages were returned).
 _heap_released = False
-
-
-def release_free_heap() -> None:
-    """Return the C heap's free pages to the system (glibc's ``malloc_trim``): tensors freed from
-    the heap rather than from their own mappings otherwise stay counted in the process's memory."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
