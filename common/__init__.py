@@ -2,13 +2,15 @@
 
 Layers, bottom up (a module imports only from its own layer or those below it)::
 
-    format       codec            lossless tensor codec: codec_v2 (exponent-classed ULP deltas, numba),
-                                  codec_v1 (byte planes + zstd, read for old stores)
+    format       codec            lossless tensor codec: codec_v2 (exponent-classed ULP deltas, numba;
+                                  codec_v2_select: its branch-free BF16 apply where the CPU has
+                                  BMI2), codec_v1 (byte planes + zstd, read for old stores)
                  manifest         snapshot manifest, SnapshotKind, Encoding, validation (docs/FORMAT.md)
                  store_keys       where every key lives in a store
                  safetensors_io   the safetensors file format; checkpoint_dir: HF checkpoint folders
                  signing          Ed25519 manifest signatures, trusted keys (docs/SECURITY.md)
                  dtypes, tensors, checksum, errors, settings
+                 host_memory      giving memory back (freed heap pages, LLVM once kernels load)
     stores       stores/          one async Store interface; file://, s3:// (aiobotocore),
                                   http(s):// (httpx, read only); retry: backoff with jitter
     chain        chain            reading HEAD, manifests and paths through the chain

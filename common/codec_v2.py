@@ -15,7 +15,7 @@ per class and in natural order within the class:
 * optionally the rows (last dimension of the tensor's shape) that do not change at all (embedding
   rows of tokens absent from the batch), as Golomb-coded row gaps, so their elements cost nothing.
 
-This sits within 3-6 % of the conditional entropy of that model; zstd byte planes (v1) are 1.6x
+This sits within 2-6 % of the conditional entropy of that model; zstd byte planes (v1) are 1.6x
 larger. Full payloads (no reference) and dtypes other than BF16/F16/F32 keep v1's approach:
 byte planes + zstd (XOR for the non-float dtypes).
 
@@ -75,6 +75,8 @@ _ensure_numba_cache_dir()
 
 import numba as nb  # noqa: E402
 from numba.cpython.unsafe.numbers import trailing_zeros  # noqa: E402
+
+from . import codec_v2_select as select_apply  # noqa: E402
 
 MAGIC = b"DSC2"
 METHOD_FULL, METHOD_ULP, METHOD_XOR = 0, 1, 2
@@ -481,11 +483,37 @@ def _rans_encode(vals, val_off, val_cnt, mag_mode, mag_par, freqs, freq_off, out
 # =====================================================================================  decoder kernels
 
 
+@_inline
+def _signed(g, signs, j):
+    """The step g + 1 with value j's sign bit (bit j of the sign bytes: one per value, in order)."""
+    neg = np.int64((signs[j >> np.uint64(3)] >> (j & np.uint64(7))) & np.uint64(1))
+    return ((g + 1) ^ -neg) + neg  # -(g + 1) when the sign bit is set
+
+
+@_inline
+def _rans_step(x, wp, tab, f, cum, rans, last):
+    """One rANS symbol: (symbol, state, words read). Renormalises without a branch (one 16-bit
+    word is always enough); a read past the end rereads the last word and is caught by the
+    caller's check of wp."""
+    slot = x & np.uint64(SCALE - 1)
+    s = np.int64(tab[slot])
+    x = np.uint64(f[s]) * (x >> np.uint64(SCALE_BITS)) + slot - np.uint64(cum[s])
+    need = x < RANS_L
+    w = np.uint64(rans[min(wp, last)])
+    x = (x << np.uint64(16)) | w if need else x
+    return s, x, wp + np.int64(need)
+
+
 @_jit
 def _dec_streams(words, nbits, n_rows, row_mode, n_row_ev, row_m, cls_nev, cls_m, ev, ev_off,
                  mag_mode, mag_par, freqs, freq_off, val_off, val_cnt, signs, rans, vals, row_dead, max_mag):
     """Decode the row flags, each class's gaps (into ev, sentinel-terminated per class) and the
-    signed steps (into vals). Returns 0 or a negative error code."""
+    signed steps (into vals). Returns 0 or a negative error code.
+
+    The gaps (a chain through the bitstream position) and the rANS-coded steps (a chain through
+    the rANS state) do not depend on each other, so each class's two are decoded in one loop,
+    a gap and a step per turn, and the CPU runs both chains at once. What comes after the gaps in
+    the bitstream (Golomb-coded steps, rANS escapes) is read afterwards, in value order."""
     pos = 0
     if row_mode != 0:
         b, cut = _golomb_params(row_m)
@@ -501,23 +529,11 @@ def _dec_streams(words, nbits, n_rows, row_mode, n_row_ev, row_m, cls_nev, cls_m
         if row_mode == 2:  # the events were the changed rows
             for r in range(n_rows):
                 row_dead[r] ^= 1
-    K = cls_nev.size
-    for c in range(K):
-        m = cls_m[c]
-        b, cut = _golomb_params(m)
-        o = np.uint64(ev_off[c])
-        end = o + np.uint64(cls_nev[c])
-        while o < end:
-            g, pos = _golomb_read(words, pos, m, b, cut)
-            if pos < 0 or pos > nbits:
-                return -3
-            ev[o] = g
-            o += np.uint64(1)
-        ev[o] = SENTINEL
     tab = np.zeros(SCALE, np.uint8)
     cum = np.zeros(MAX_T + 1, np.int64)
     x = np.uint64(0)
     wp = 0
+    last = rans.size - 1
     if rans.size:
         if rans.size < 2:
             return -4
@@ -525,62 +541,91 @@ def _dec_streams(words, nbits, n_rows, row_mode, n_row_ev, row_m, cls_nev, cls_m
         wp = 2
         if x < RANS_L:
             return -4
-    rs = np.uint64(0)  # sign bits consumed
-    U1, U3, U7 = np.uint64(1), np.uint64(3), np.uint64(7)
+    n_esc = np.zeros(cls_nev.size, np.int64)  # per class: values whose rANS symbol escapes
+    U1 = np.uint64(1)
+    K = cls_nev.size
     for c in range(K):
-        o = val_off[c]
-        k = val_cnt[c]
+        m = cls_m[c]
+        b, cut = _golomb_params(m)
+        o = np.uint64(ev_off[c])
+        o_end = o + np.uint64(cls_nev[c])
         mode = mag_mode[c]
-        if mode == 0:
-            for j in range(np.uint64(o), np.uint64(o + k)):
-                vals[j] = 1 - 2 * np.int64((signs[rs >> U3] >> (rs & U7)) & U1)
-                rs += U1
-        elif mode == 1:
-            m = mag_par[c]
-            b, cut = _golomb_params(m)
-            for j in range(np.uint64(o), np.uint64(o + k)):
-                g, pos = _golomb_read(words, pos, m, b, cut)
-                if pos < 0 or pos > nbits or g >= max_mag:
-                    return -5
-                neg = np.int64((signs[rs >> U3] >> (rs & U7)) & U1)
-                vals[j] = ((g + 1) ^ -neg) + neg  # -(g + 1) when the sign bit is set
-                rs += U1
-        else:
-            T = mag_par[c]
-            last = rans.size - 1
-            f = freqs[freq_off[c]:freq_off[c] + T]
+        j = np.uint64(val_off[c])
+        j_end = j + np.uint64(val_cnt[c]) if mode != 1 else j  # Golomb-coded steps come after the gaps
+        T = mag_par[c] if mode == 2 else 0
+        f = freqs[freq_off[c]:freq_off[c] + T]
+        if mode == 2:
             cum[0] = 0
             for s in range(T):
                 cum[s + 1] = cum[s] + f[s]
                 for t in range(cum[s], cum[s + 1]):
                     tab[t] = s
-            for j in range(np.uint64(o), np.uint64(o + k)):
-                slot = x & np.uint64(SCALE - 1)
-                s = np.int64(tab[slot])
-                x = np.uint64(f[s]) * (x >> np.uint64(SCALE_BITS)) + slot - np.uint64(cum[s])
-                # renormalise without a branch (one 16-bit word is always enough); a read past
-                # the end rereads the last word and is caught by wp's check after the loop
-                need = x < RANS_L
-                w = np.uint64(rans[min(wp, last)])
-                x = (x << np.uint64(16)) | w if need else x
-                wp += np.int64(need)
-                g = s
-                if s == T - 1:
+        pairs = min(o_end - o, j_end - j)
+        if mode == 2:
+            esc_sym = T - 1
+            k = 0
+            big = False
+            for _ in range(pairs):
+                g, pos = _golomb_read(words, pos, m, b, cut)
+                s, x, wp = _rans_step(x, wp, tab, f, cum, rans, last)
+                if pos < 0 or pos > nbits:
+                    return -3
+                ev[o] = g
+                vals[j] = _signed(s, signs, j)  # an escape's is set again below
+                k += s == esc_sym
+                big |= s >= max_mag
+                o += U1
+                j += U1
+            while j < j_end:
+                s, x, wp = _rans_step(x, wp, tab, f, cum, rans, last)
+                vals[j] = _signed(s, signs, j)
+                k += s == esc_sym
+                big |= s >= max_mag
+                j += U1
+            n_esc[c] = k
+            if wp > rans.size:
+                return -6
+            if big:
+                return -5
+        else:
+            while j < j_end:
+                vals[j] = _signed(0, signs, j)
+                j += U1
+        while o < o_end:
+            g, pos = _golomb_read(words, pos, m, b, cut)
+            if pos < 0 or pos > nbits:
+                return -3
+            ev[o] = g
+            o += U1
+        ev[o_end] = SENTINEL
+    for c in range(K):
+        j = np.uint64(val_off[c])
+        j_end = j + np.uint64(val_cnt[c])
+        if mag_mode[c] == 1:
+            m = mag_par[c]
+            b, cut = _golomb_params(m)
+            while j < j_end:
+                g, pos = _golomb_read(words, pos, m, b, cut)
+                if pos < 0 or pos > nbits or g >= max_mag:
+                    return -5
+                vals[j] = _signed(g, signs, j)
+                j += U1
+        elif n_esc[c]:
+            T = mag_par[c]
+            while j < j_end:
+                if vals[j] == T or vals[j] == -T:  # the escape symbol T - 1, signed
                     L = np.int64(_peek(words, pos) & np.uint64(63))
                     pos += 6
                     if L > 62:
                         return -7
-                    g += np.int64(_peek(words, pos) & ((np.uint64(1) << np.uint64(L)) - np.uint64(1)))
+                    g = T - 1 + np.int64(_peek(words, pos) & ((np.uint64(1) << np.uint64(L)) - np.uint64(1)))
                     pos += L
                     if pos > nbits:
                         return -7
-                if g >= max_mag:
-                    return -5
-                neg = np.int64((signs[rs >> U3] >> (rs & U7)) & U1)
-                vals[j] = ((g + 1) ^ -neg) + neg  # -(g + 1) when the sign bit is set
-                rs += U1
-            if wp > rans.size:
-                return -6
+                    if g >= max_mag:
+                        return -5
+                    vals[j] = _signed(g, signs, j)
+                j += U1
     if rans.size and (x != RANS_L or wp != rans.size):
         return -8
     if pos != nbits:
@@ -892,11 +937,12 @@ class _Scratch:
     runs each snapshot on a new thread pool, so buffers are pooled process-wide (one per decoding
     thread at a time, at most ``_POOL_MAX`` kept), not per thread."""
 
-    __slots__ = ("i64", "u8")
+    __slots__ = ("i64", "u8", "select")
 
     def __init__(self) -> None:
         self.i64 = np.empty(1 << 12, np.int64)
         self.u8 = np.empty(1 << 12, np.uint8)
+        self.select = select_apply.SelectScratch()
 
     def grow(self, n64: int, n8: int) -> None:
         if self.i64.size < n64:
@@ -951,6 +997,9 @@ def _apply_ulp_with(scratch: _Scratch, p: np.ndarray, pos: int, elems: np.ndarra
         ev = i64s[:n_ev]
         vals = i64s[n_ev:n_ev + n_changed]
         row_dead = u8s[:n_rows] if n_rows else np.zeros(1, np.uint8)
+        if dtype == "BF16" and select_apply.AVAILABLE and elems.flags.c_contiguous:
+            return select_apply.apply_bf16(scratch.select, elems, row_dead, row_len, n_rows, lut, S, D,
+                                           K, evp, vp, vend, evend, ev, vals)
         u64 = np.uint64
         err = _WALKS[dtype](elems, lut.view(u64), D, row_dead, row_len, cnt.view(u64), evp.view(u64), ev, vp.view(u64),
                             vend.view(u64), vals)

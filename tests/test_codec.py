@@ -4,6 +4,8 @@ stored v1 payloads that must keep decoding bit-exact, and rejection of crafted p
 from __future__ import annotations
 
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -209,6 +211,45 @@ def test_decoder_only_warm_up_decodes_its_stored_payloads() -> None:
     assert codec.start_warm_up(encoder=False) is first  # once per process
     first.join(timeout=60)
     assert not first.is_alive()
+
+
+_LLVM_RESIDENT = """
+import base64
+import numpy as np
+from delta_swap import codec, codec_v2
+
+def resident_kb():
+    kb, in_llvm = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if "-" in head[0] and not head[0].endswith(":"):
+            in_llvm = len(head) > 5 and "llvmlite" in head[5]
+        elif in_llvm and head[0] == "Rss:":
+            kb += int(head[1])
+    return kb
+
+codec.warm_up(encoder=False)
+loaded = resident_kb()
+codec.start_warm_up(encoder=False).join()
+after = resident_kb()
+for dtype in codec_v2.FLOATS:  # decoding still works, and bit-exact
+    old, new = codec_v2._warm_up_tensors(dtype)
+    out = old.copy()
+    codec.decode_into(out, base64.b64decode(codec_v2._WARM_UP_PAYLOADS[dtype]), dtype)
+    assert np.array_equal(out, new), dtype
+print(loaded, after, resident_kb())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_server_warm_up_pages_llvm_out_once_the_kernels_are_loaded() -> None:
+    """A server's warm-up leaves LLVM's code (~75 MB of libllvmlite.so, needed only to compile or
+    load kernels) out of its memory, and decoding afterwards neither needs it nor changes."""
+    done = subprocess.run([sys.executable, "-c", _LLVM_RESIDENT], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    loaded, after, after_decoding = map(int, done.stdout.split()[-3:])
+    assert loaded > 20_000, loaded  # kB: the kernels' load ran LLVM
+    assert after < loaded / 4 and after_decoding < loaded / 4, (loaded, after, after_decoding)
 
 
 def test_numba_cache_falls_back_to_a_temp_folder_when_nothing_else_is_writable(monkeypatch, tmp_path) -> None:
