@@ -50,6 +50,10 @@ from .staging import Bucket, pack
 
 log = logging.getLogger("sglang_delta_plugin")
 
+#: The longest the ``wait`` drain goes on aborting requests that outlived its timeout before it
+#: swaps without them (capped by the timeout itself).
+ABORT_GRACE_S = 10.0
+
 
 class SglangAdapter(EngineAdapter):
     """Drives SGLang's RL weight-update API in the HTTP server process."""
@@ -63,6 +67,8 @@ class SglangAdapter(EngineAdapter):
         self.settings = settings or Settings()
         self.tp_size = tp_size
         self._holds_writer_lock = False
+        #: A request for SGLang's writer lock still waiting when the wait drain gave up on it.
+        self._writer_wait: asyncio.Future | None = None
         self._keep_kv = False
         #: The two weight arenas, on the arena path (None: the tensor path, or not read yet).
         self.arenas: ArenaPair | None = None
@@ -146,24 +152,50 @@ class SglangAdapter(EngineAdapter):
             await asyncio.sleep(0.02)
 
     async def _acquire_writer(self, timeout_s: float) -> None:
-        """Wait for in-flight requests (new ones queue behind); abort them after the timeout."""
+        """Wait for in-flight requests (new ones queue behind); after ``timeout_s`` abort them. If
+        some still hold the lock ``min(timeout_s, ABORT_GRACE_S)`` later (a request whose client
+        stopped reading its stream stays in SGLang until the client reads), go on without the lock:
+        new requests stay queued behind the pending writer until :meth:`resume`, and the pause
+        retracts whatever still runs."""
         lock = self.tm.model_update_lock
         task = asyncio.ensure_future(lock.acquire_writer())
         try:
             done, _ = await asyncio.wait({task}, timeout=timeout_s)
             if not done:
                 log.warning("delta_swap: requests still running after %.1fs, aborting them", timeout_s)
-                while not task.done():
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + min(timeout_s, ABORT_GRACE_S)
+                while not task.done() and loop.time() < deadline:
                     self.tm.abort_request(abort_all=True)
-                    await asyncio.wait({task}, timeout=0.5)
+                    await asyncio.wait({task}, timeout=min(0.5, max(0.0, deadline - loop.time())))
+                if not task.done():
+                    log.warning("delta_swap: aborted requests still hold the model; swapping without them")
+                    self._writer_wait = task
+                    self.tm.abort_request(abort_all=True)  # the last abort just before the pause
+                    return
             await task
             self._holds_writer_lock = True
         except BaseException:
-            if task.done() and not task.cancelled() and task.exception() is None:
-                await lock.release_writer()
-            else:
-                task.cancel()
+            await asyncio.shield(self._withdraw_writer(task))
             raise
+
+    async def _end_writer_wait(self) -> None:
+        """Withdraw a pending request for the writer lock (releasing it if it was granted meanwhile)
+        and wake the requests queued behind it: SGLang's lock wakes them only when it is released.
+        Shielded: a cancelled caller must not leave them blocked."""
+        task, self._writer_wait = self._writer_wait, None
+        if task is not None:
+            await asyncio.shield(self._withdraw_writer(task))
+
+    async def _withdraw_writer(self, task: asyncio.Future) -> None:
+        task.cancel()
+        await asyncio.wait({task})
+        lock = self.tm.model_update_lock
+        if task.cancelled() or task.exception() is not None:  # it holds nothing
+            async with lock._cond:  # noqa: SLF001 - aio_rwlock.RWLock has no public way to do this
+                lock._cond.notify_all()  # noqa: SLF001
+        else:
+            await lock.release_writer()
 
     async def resume(self) -> None:
         from sglang.srt.managers.io_struct import ContinueGenerationReqInput
@@ -175,6 +207,7 @@ class SglangAdapter(EngineAdapter):
             if self._holds_writer_lock:
                 self._holds_writer_lock = False
                 await self.tm.model_update_lock.release_writer()
+            await self._end_writer_wait()
 
     # ------------------------------------------------------------------ load
 

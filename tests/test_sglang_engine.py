@@ -22,6 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from delta_swap import codec
 from examples.servers import sglang as sglang_server
 from examples.tiny_model import make_tiny_model, perturb_weights
 from tests.support.rollout_scenarios import (
@@ -33,6 +34,7 @@ from tests.support.rollout_scenarios import (
     stage_tampered,
     status,
     swaps_under_load,
+    undone_on_failure,
     untrusted_inputs_never_reach_the_model,
     wait_for,
 )
@@ -194,7 +196,9 @@ def test_swaps_are_transactional_against_a_scripted_engine(sglang_python) -> Non
                          capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
-    assert out.stdout.count("ok: ") == 5, out.stdout
+    scenarios = [line[4:] for line in out.stdout.splitlines() if line.startswith("ok: ")]
+    assert scenarios == ["swap", "rollback", "misfit", "wait timeout", "wait gives up on a stuck request",
+                         "wait keeps the lock granted mid-swap", "version only"], out.stdout
 
 
 @pytest.mark.parametrize("drain", ["keep", "abort"])
@@ -284,14 +288,15 @@ def test_a_snapshot_that_does_not_fit_the_served_model_never_reaches_it(live, mo
     bad.mkdir()
     save_file(weights, str(bad / "model.safetensors"))
     before = status(server.url)["failures"]
-    stage_tampered(store, tmp_path / "s4", 8, bad, lambda snapshot: None, creds)
-    st = wait_for(server.url, lambda s: s["failures"] > before)
-    assert st["current_step"] == 7 and st["newest_step"] == 8
-    assert "IncompatibleSnapshotError" in st["last_error"]
-    assert "lm_head.weight" in st["last_error"] and "q_proj.bias" in st["last_error"]
-    assert weight_checksums(server.url) == references["D"]["weights"]
-    assert greedy(server.url) == references["D"]["greedy"]
-    drop_snapshot(store, 8, head_step=7)
+    with undone_on_failure(store):
+        stage_tampered(store, tmp_path / "s4", 8, bad, lambda snapshot: None, creds)
+        st = wait_for(server.url, lambda s: s["failures"] > before)
+        assert st["current_step"] == 7 and st["newest_step"] == 8
+        assert "IncompatibleSnapshotError" in st["last_error"]
+        assert "lm_head.weight" in st["last_error"] and "q_proj.bias" in st["last_error"]
+        assert weight_checksums(server.url) == references["D"]["weights"]
+        assert greedy(server.url) == references["D"]["greedy"]
+        drop_snapshot(store, 8, head_step=7)
 
 
 def test_resync_reloads_the_base_and_replays_the_chain(live, references, creds) -> None:
@@ -308,9 +313,11 @@ def _swap_during_requests(url: str, store: Path, step: int, model: Path, creds: 
                           tokens: int = LONG):
     """Start ``n`` long requests, publish ``step`` once each has produced tokens, return their final
     outputs."""
-    # A fresh environment JIT-compiles the codec's kernels at start (~15 s of a core): wait for it,
-    # or the first delta's decode can outlast the long requests.
+    # A fresh environment JIT-compiles the codec's kernels at start (~15 s of a core): wait for the
+    # server's decoder, and compile this process's encoder before the requests (a fresh checkout
+    # running this module alone compiled it inside the publish below, which outlasted them).
     wait_for(url, lambda s: s["codec_ready"], timeout=180)
+    codec.warm_up()
     started = [threading.Event() for _ in range(n)]
     with ThreadPoolExecutor(n) as pool:
         # Prompts sharing no prefix with PROMPTS: KV that the radix cache keeps from these long runs

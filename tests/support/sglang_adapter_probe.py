@@ -55,6 +55,7 @@ class FakeTokenizerManager:
         self.calls: list[str] = []
         self.loaded: list[dict[str, bytes]] = []
         self.flushes: list[bool] = []
+        self.during_update = None  # an optional coroutine function, awaited inside each weight update
 
     def config_value(self, name: str) -> str:
         assert name == "weight_version"
@@ -92,6 +93,8 @@ class FakeTokenizerManager:
         self.ranks = len(per_rank)
         self.loaded.append(per_rank[0])
         self.calls.append(f"update:{obj.weight_version}")
+        if self.during_update is not None:
+            await self.during_update()
         ok = self.update_results.pop(0)
         if ok:
             self.version = obj.weight_version
@@ -186,6 +189,47 @@ async def main() -> None:
     check(tm.calls[0] == "abort_all" and tm.calls[-1] == "continue" and "update:s4" in tm.calls, f"{tm.calls}")
     check(not tm.model_update_lock._writer_active and not tm.is_pause, "writer lock released, resumed")
     print("ok: wait timeout")
+
+    # wait: a request that does not end when aborted (its client stopped reading) does not hold the
+    # update forever; new requests queued meanwhile run once generation resumes.
+    tm = FakeTokenizerManager([True])
+    lock = tm.model_update_lock
+    await lock.acquire_reader()  # a request that never ends
+    swapping = asyncio.create_task(swap(tm, "wait", update("s6", new, old), timeout=0.2))
+    while lock._waiting_writers == 0:  # the drain waits for the writer lock
+        await asyncio.sleep(0.01)
+    queued = asyncio.create_task(lock.acquire_reader())  # a new request, held behind the drain
+    deadline = asyncio.get_running_loop().time() + 5
+    while not swapping.done():
+        check(asyncio.get_running_loop().time() < deadline, f"the update waited for a request that never ends: {tm.calls}")
+        check(not queued.done() or "continue" in tm.calls, f"a new request ran during the update: {tm.calls}")
+        await asyncio.sleep(0.005)
+    await swapping
+    check("abort_all" in tm.calls and tm.calls[-4:] == ["begin", "update:s6", "end", "continue"], f"{tm.calls}")
+    try:
+        await asyncio.wait_for(queued, 5)
+    except asyncio.TimeoutError:
+        check(False, "a request queued behind the withdrawn writer stays blocked")
+    check(not lock._writer_active and lock._waiting_writers == 0, "lock left clean")
+    print("ok: wait gives up on a stuck request")
+
+    # ... and when that request ends during the swap, the writer lock it then gets is released at
+    # resume.
+    tm = FakeTokenizerManager([True])
+    lock = tm.model_update_lock
+    await lock.acquire_reader()
+
+    async def end_during_the_swap() -> None:  # the stuck request ends; the pending writer gets the lock
+        await lock.release_reader()
+        while not lock._writer_active:
+            await asyncio.sleep(0.005)
+
+    tm.during_update = end_during_the_swap
+    await asyncio.wait_for(swap(tm, "wait", update("s7", new, old), timeout=0.2), 5)
+    check(tm.calls[-1] == "continue" and not lock._writer_active and lock._waiting_writers == 0,
+          f"lock left held: {tm.calls}")
+    await asyncio.wait_for(lock.acquire_reader(), 5)  # a new request runs
+    print("ok: wait keeps the lock granted mid-swap")
 
     # Nothing changed: only the version moves.
     tm = FakeTokenizerManager([])
