@@ -44,8 +44,14 @@ def test_the_cache_sends_one_copy_across_the_link(rows) -> None:
         cached, direct = _row(rows, "cache", phase), _row(rows, "direct", phase)
         # The model: one copy per region through the cache, one per server directly.
         assert direct["bytes_model"] == pytest.approx(2 * cached["bytes_model"], rel=0.05)  # separate trainer runs
-        assert cached["bytes_model"] * 0.9 <= cached["bytes_moved"] <= cached["bytes_model"] * 1.3 + 200_000, cached
-        assert direct["bytes_moved"] >= 1.6 * cached["bytes_moved"], (cached, direct)
+        # Beyond the model: the head-pointer polls (~3 KB/s for two servers, docs/fleet.json) and
+        # TCP's own overhead.
+        polls = 200_000 + 5_000 * cached["seconds"]
+        assert cached["bytes_model"] * 0.9 <= cached["bytes_moved"] <= cached["bytes_model"] * 1.3 + polls, cached
+        # Both paths carry the same head-pointer polls (never cached), so compare what the second
+        # server adds: through the cache nothing, directly one more copy of the chain.
+        extra = direct["bytes_moved"] - cached["bytes_moved"]
+        assert extra >= 0.6 * direct["bytes_model"] / 2, (extra, cached, direct)
         assert cached["cache"]["HIT"] > 0 and cached["cache"]["sent_bytes"] > 1.5 * cached["cache"]["upstream_bytes"]
 
 

@@ -6,12 +6,15 @@ production; publishers sign."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,9 +24,10 @@ from safetensors.torch import load_file
 
 from delta_swap import store_keys
 from delta_swap.chain import encode_head
-from delta_swap.manifest import Manifest
+from delta_swap.manifest import Manifest, snapshot_id_for_step
 from delta_swap.publisher import Publisher, PublisherConfig
 from delta_swap.signing import generate_keypair
+from delta_swap.stores.file import FileStore
 
 
 @dataclass(frozen=True)
@@ -70,26 +74,52 @@ def publish_dirs(store: Path, steps: list[tuple[int, Path]], creds: Credentials 
             pub.publish(step, load_file(str(ckpt / "model.safetensors")))
 
 
+def put_head(store: Path, data: bytes) -> None:
+    """Replace the live store's HEAD through the file store, which writes whole files (a poll
+    never reads half of one)."""
+    asyncio.run(FileStore(store).put(store_keys.HEAD_KEY, data))
+
+
+def put_snapshot(store: Path, source: Path) -> None:
+    """Add the snapshot folder ``source`` to a live store in one rename (a poll never sees a
+    manifest whose files are still on their way)."""
+    staging = store.parent / f".staging-{source.name}"
+    shutil.copytree(source, staging)
+    os.rename(staging, store / store_keys.snapshot_prefix(source.name))
+
+
+@contextmanager
+def undone_on_failure(store: Path) -> Iterator[None]:
+    """On an exception, put the live store back as it was (HEAD and the snapshot folders), so one
+    failed scenario does not leave a bad snapshot that fails the tests after it."""
+    head = (store / store_keys.HEAD_KEY).read_bytes()
+    before = set((store / store_keys.SNAPSHOTS_PREFIX).iterdir())
+    try:
+        yield
+    except BaseException:
+        put_head(store, head)
+        for folder in set((store / store_keys.SNAPSHOTS_PREFIX).iterdir()) - before:
+            shutil.rmtree(folder)
+        raise
+
+
 def stage_tampered(store: Path, scratch: Path, step: int, model: Path, tamper: Callable[[Path], None],
                    creds: Credentials | None) -> None:
     """Publish ``step`` into a copy of the store, damage it, then commit it to the live store
-    in the publisher's order (shards, signature, manifest, HEAD)."""
+    as the publisher does (the snapshot's files, then HEAD)."""
     shutil.copytree(store, scratch, dirs_exist_ok=True)
     publish_dirs(scratch, [(step, model)], creds)
-    sid = f"step-{step:010d}"
-    tamper(scratch / "snapshots" / sid)
-    dest = store / "snapshots" / sid
-    dest.mkdir(parents=True)
-    for f in sorted((scratch / "snapshots" / sid).iterdir(), key=lambda p: p.name == "manifest.json"):
-        shutil.copy(f, dest / f.name)
-    shutil.copy(scratch / "HEAD", store / "HEAD")
+    snapshot = scratch / store_keys.snapshot_prefix(snapshot_id_for_step(step))
+    tamper(snapshot)
+    put_snapshot(store, snapshot)
+    put_head(store, (scratch / store_keys.HEAD_KEY).read_bytes())
 
 
 def drop_snapshot(store: Path, step: int, head_step: int) -> None:
-    """Remove a snapshot again and point HEAD back at ``head_step`` (ids are never reused)."""
-    shutil.rmtree(store / "snapshots" / f"step-{step:010d}")
-    manifest = Manifest.from_json((store / store_keys.manifest_key(f"step-{head_step:010d}")).read_bytes())
-    (store / store_keys.HEAD_KEY).write_bytes(encode_head(manifest))
+    """Point HEAD back at ``head_step`` and remove a snapshot again (ids are never reused)."""
+    manifest = Manifest.from_json((store / store_keys.manifest_key(snapshot_id_for_step(head_step))).read_bytes())
+    put_head(store, encode_head(manifest))
+    shutil.rmtree(store / store_keys.snapshot_prefix(snapshot_id_for_step(step)))
 
 
 def flip_a_shard_bit(snapshot: Path) -> None:
@@ -107,7 +137,7 @@ def claim_to_follow_step_2(snapshot: Path) -> None:
 
 
 def bad_snapshots_never_reach_the_model(url: str, store: Path, models: dict[str, Path], tmp_path: Path,
-                                        serves_d: Callable[[], None], creds: Credentials) -> None:
+                                    serves_d: Callable[[], None], creds: Credentials) -> None:
     """From a server on step 3 (model D): a corrupt delta (step 4), an out-of-order one whose
     manifest was edited (5: its signature no longer matches) and a missing link (7 without 6) are
     all refused while ``serves_d`` keeps passing; once step 6 shows up the server catches up to 7
@@ -131,13 +161,13 @@ def bad_snapshots_never_reach_the_model(url: str, store: Path, models: dict[str,
     shutil.copytree(store, scratch)
     publish_dirs(scratch, [(6, models["E"]), (7, models["D"])], creds)
     before = status(url)["failures"]
-    shutil.copytree(scratch / "snapshots" / "step-0000000007", store / "snapshots" / "step-0000000007")
-    shutil.copy(scratch / "HEAD", store / "HEAD")
+    put_snapshot(store, scratch / store_keys.snapshot_prefix(snapshot_id_for_step(7)))
+    put_head(store, (scratch / store_keys.HEAD_KEY).read_bytes())
     st = wait_for(url, lambda s: s["failures"] > before)
     assert st["current_step"] == 3 and "step-0000000006" in st["last_error"]
     serves_d()
 
-    shutil.copytree(scratch / "snapshots" / "step-0000000006", store / "snapshots" / "step-0000000006")
+    put_snapshot(store, scratch / store_keys.snapshot_prefix(snapshot_id_for_step(6)))
     st = wait_for(url, lambda s: s["current_step"] == 7)
     assert st["last_error"] is None
     serves_d()
@@ -149,35 +179,37 @@ def untrusted_inputs_never_reach_the_model(url: str, store: Path, models: dict[s
     """From a server on step ``served`` (model D), with a trusted key and an admin token: an
     unsigned snapshot (as ``step``), a HEAD that claims a future step, POSTs without the token
     and a storm of 50 concurrent resyncs all leave it serving D, and status says what happened."""
-    before = status(url)["failures"]
-    stage_tampered(store, tmp_path / "unsigned", step, models["E"], lambda snapshot: None, None)
-    st = wait_for(url, lambda s: s["failures"] > before)
-    assert st["current_step"] == served and st["last_error_kind"] == "signature" and "not signed" in st["last_error"]
-    serves_d()
-    drop_snapshot(store, step, head_step=served)
+    with undone_on_failure(store):
+        before = status(url)["failures"]
+        stage_tampered(store, tmp_path / "unsigned", step, models["E"], lambda snapshot: None, None)
+        st = wait_for(url, lambda s: s["failures"] > before)
+        assert st["current_step"] == served and st["last_error_kind"] == "signature", st
+        assert "not signed" in st["last_error"], st["last_error"]
+        serves_d()
+        drop_snapshot(store, step, head_step=served)
 
-    before = status(url)["failures"]
-    head = json.loads((store / store_keys.HEAD_KEY).read_text())
-    (store / store_keys.HEAD_KEY).write_text(json.dumps({**head, "step": 10**12}))  # a future step
-    st = wait_for(url, lambda s: s["failures"] > before)
-    assert st["current_step"] == served and "claims step" in st["last_error"]
-    serves_d()
-    (store / store_keys.HEAD_KEY).write_text(json.dumps(head))
+        before = status(url)["failures"]
+        head = json.loads((store / store_keys.HEAD_KEY).read_text())
+        put_head(store, json.dumps({**head, "step": 10**12}).encode())  # a future step
+        st = wait_for(url, lambda s: s["failures"] > before)
+        assert st["current_step"] == served and "claims step" in st["last_error"]
+        serves_d()
+        put_head(store, json.dumps(head).encode())
 
-    for route in ("resync", "notify"):
-        assert httpx.post(f"{url}/delta_swap/{route}", timeout=30).status_code == 401
-        assert httpx.post(f"{url}/delta_swap/{route}", headers={"Authorization": "Bearer wrong"},
-                          timeout=30).status_code == 401
-    updates_before = status(url)["updates_applied"]
-    with ThreadPoolExecutor(50) as pool:
-        codes = list(pool.map(lambda _: httpx.post(f"{url}/delta_swap/resync", headers=creds.headers(),
-                                                   timeout=300).status_code, range(50)))
-    # Resyncs never overlap: the calls that arrive while one runs get 409, each 200 is one resync.
-    assert set(codes) <= {200, 409} and codes.count(409) >= 1 and codes.count(200) >= 1, codes
-    st = wait_for(url, lambda s: s["current_step"] == served and s["last_error"] is None)
-    assert st["updates_applied"] - updates_before == codes.count(200)
-    assert st["last_resync"]["ok"] and st["last_resync"]["to_step"] == served
-    serves_d()
+        for route in ("resync", "notify"):
+            assert httpx.post(f"{url}/delta_swap/{route}", timeout=30).status_code == 401
+            assert httpx.post(f"{url}/delta_swap/{route}", headers={"Authorization": "Bearer wrong"},
+                              timeout=30).status_code == 401
+        updates_before = status(url)["updates_applied"]
+        with ThreadPoolExecutor(50) as pool:
+            codes = list(pool.map(lambda _: httpx.post(f"{url}/delta_swap/resync", headers=creds.headers(),
+                                                       timeout=300).status_code, range(50)))
+        # Resyncs never overlap: the calls that arrive while one runs get 409, each 200 is one resync.
+        assert set(codes) <= {200, 409} and codes.count(409) >= 1 and codes.count(200) >= 1, codes
+        st = wait_for(url, lambda s: s["current_step"] == served and s["last_error"] is None)
+        assert st["updates_applied"] - updates_before == codes.count(200)
+        assert st["last_resync"]["ok"] and st["last_resync"]["to_step"] == served
+        serves_d()
 
 
 def swaps_under_load(url: str, store: Path, weights: dict, request: Callable[[httpx.Client, int], object],
