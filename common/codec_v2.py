@@ -143,6 +143,32 @@ def _golomb_read(words, pos, m, b, cutoff):
 
 
 @_inline
+def _golomb_next(words, pos, win, avail, m, b, cutoff):
+    """:func:`_golomb_read` from a window: ``win`` holds the stream's next ``avail`` bits (from
+    bit ``pos``), and a code that fits in them is decoded by shifting it out, without a load on
+    the chain from one code to the next; anything else (a code that straddles the window, an
+    escape, a malformed code) goes through :func:`_golomb_read` and a new window. Returns
+    (value, new_pos, win, avail); new_pos < 0 on a malformed code, as there."""
+    q = np.int64(trailing_zeros(win))  # 64 when the window is all zeros
+    if q + b + 1 > avail or q >= QMAX:
+        x, pos = _golomb_read(words, pos, m, b, cutoff)
+        if pos < 0:
+            return x, pos, win, avail
+        return x, pos, _peek(words, pos), np.int64(64)
+    if m == 1:
+        L = q + 1
+        x = q
+    else:
+        rest = win >> np.uint64(q + 1)
+        v = np.int64(rest & ((np.uint64(1) << np.uint64(b - 1)) - np.uint64(1)))
+        long_ = np.int64(v >= cutoff)
+        t = np.int64((rest >> np.uint64(b - 1)) & np.uint64(1))
+        L = q + b + long_
+        x = q * m + v + long_ * (v - cutoff + t)
+    return x, pos + L, win >> np.uint64(L), avail - L
+
+
+@_inline
 def _golomb_params(m):
     """(b, cutoff) of the Golomb code with parameter m: b = ceil(log2 m), cutoff = 2^b - m."""
     b = 0
@@ -491,13 +517,14 @@ def _signed(g, signs, j):
 
 
 @_inline
-def _rans_step(x, wp, tab, f, cum, rans, last):
-    """One rANS symbol: (symbol, state, words read). Renormalises without a branch (one 16-bit
-    word is always enough); a read past the end rereads the last word and is caught by the
-    caller's check of wp."""
-    slot = x & np.uint64(SCALE - 1)
-    s = np.int64(tab[slot])
-    x = np.uint64(f[s]) * (x >> np.uint64(SCALE_BITS)) + slot - np.uint64(cum[s])
+def _rans_step(x, wp, slots, rans, last):
+    """One rANS symbol: (symbol, state, words read). ``slots`` packs, per slot of the frequency
+    table, what the step needs in one load: symbol s (bits 0-5), slot - cum[s] (6-17) and f[s]
+    (18-30). Renormalises without a branch (one 16-bit word is always enough); a read past the
+    end rereads the last word and is caught by the caller's check of wp."""
+    e = np.uint64(slots[x & np.uint64(SCALE - 1)])
+    s = np.int64(e & np.uint64(63))
+    x = (e >> np.uint64(18)) * (x >> np.uint64(SCALE_BITS)) + ((e >> np.uint64(6)) & np.uint64(SCALE - 1))
     need = x < RANS_L
     w = np.uint64(rans[min(wp, last)])
     x = (x << np.uint64(16)) | w if need else x
@@ -529,8 +556,7 @@ def _dec_streams(words, nbits, n_rows, row_mode, n_row_ev, row_m, cls_nev, cls_m
         if row_mode == 2:  # the events were the changed rows
             for r in range(n_rows):
                 row_dead[r] ^= 1
-    tab = np.zeros(SCALE, np.uint8)
-    cum = np.zeros(MAX_T + 1, np.int64)
+    slots = np.zeros(SCALE, np.uint32)
     x = np.uint64(0)
     wp = 0
     last = rans.size - 1
@@ -553,21 +579,23 @@ def _dec_streams(words, nbits, n_rows, row_mode, n_row_ev, row_m, cls_nev, cls_m
         j = np.uint64(val_off[c])
         j_end = j + np.uint64(val_cnt[c]) if mode != 1 else j  # Golomb-coded steps come after the gaps
         T = mag_par[c] if mode == 2 else 0
-        f = freqs[freq_off[c]:freq_off[c] + T]
         if mode == 2:
-            cum[0] = 0
+            t = 0
             for s in range(T):
-                cum[s + 1] = cum[s] + f[s]
-                for t in range(cum[s], cum[s + 1]):
-                    tab[t] = s
+                f = freqs[freq_off[c] + s]
+                for r in range(f):
+                    slots[t + r] = np.uint32(s | (r << 6) | (f << 18))
+                t += f
         pairs = min(o_end - o, j_end - j)
+        win = np.uint64(0)
+        avail = np.int64(0)
         if mode == 2:
             esc_sym = T - 1
             k = 0
             big = False
             for _ in range(pairs):
-                g, pos = _golomb_read(words, pos, m, b, cut)
-                s, x, wp = _rans_step(x, wp, tab, f, cum, rans, last)
+                g, pos, win, avail = _golomb_next(words, pos, win, avail, m, b, cut)
+                s, x, wp = _rans_step(x, wp, slots, rans, last)
                 if pos < 0 or pos > nbits:
                     return -3
                 ev[o] = g
@@ -577,7 +605,7 @@ def _dec_streams(words, nbits, n_rows, row_mode, n_row_ev, row_m, cls_nev, cls_m
                 o += U1
                 j += U1
             while j < j_end:
-                s, x, wp = _rans_step(x, wp, tab, f, cum, rans, last)
+                s, x, wp = _rans_step(x, wp, slots, rans, last)
                 vals[j] = _signed(s, signs, j)
                 k += s == esc_sym
                 big |= s >= max_mag
@@ -592,7 +620,7 @@ def _dec_streams(words, nbits, n_rows, row_mode, n_row_ev, row_m, cls_nev, cls_m
                 vals[j] = _signed(0, signs, j)
                 j += U1
         while o < o_end:
-            g, pos = _golomb_read(words, pos, m, b, cut)
+            g, pos, win, avail = _golomb_next(words, pos, win, avail, m, b, cut)
             if pos < 0 or pos > nbits:
                 return -3
             ev[o] = g
