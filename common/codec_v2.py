@@ -150,7 +150,7 @@ def _golomb_next(words, pos, win, avail, m, b, cutoff):
     escape, a malformed code) goes through :func:`_golomb_read` and a new window. Returns
     (value, new_pos, win, avail); new_pos < 0 on a malformed code, as there."""
     q = np.int64(trailing_zeros(win))  # 64 when the window is all zeros
-    if q + b + 1 > avail or q >= QMAX:
+    if q + b + 1 >= avail or q >= QMAX:  # (>=: the shift below stays under 64)
         x, pos = _golomb_read(words, pos, m, b, cutoff)
         if pos < 0:
             return x, pos, win, avail

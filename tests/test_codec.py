@@ -107,6 +107,22 @@ def test_v2_weight_like_round_trips(rng, dtype: str, frac: float, max_step: int)
         assert np.array_equal(out, new)
 
 
+@pytest.mark.parametrize("spread", [1, 7, 300, 40_000])
+def test_v2_gap_codes_of_every_length_round_trip(rng, spread: int) -> None:
+    """Position gaps from 0 to ~2**22 in one class, so that Golomb codes from 1 to ~45 bits (and
+    escapes) start at every offset of the decoder's 64-bit window and straddle its end."""
+    n = 1 << 22
+    old = np.full(n, 0x3C00, np.uint16)  # one exponent: one class
+    gaps = np.minimum(rng.geometric(1 / spread, 4000), n)
+    gaps[::97] = rng.integers(1 << 18, 1 << 21, gaps[::97].size)  # long codes among short ones
+    pos = np.cumsum(gaps)
+    pos = pos[pos < n]
+    new = old.copy()
+    new[pos] += rng.integers(1, 3, pos.size).astype(np.uint16)
+    payload = codec.encode_tensor_delta(old.view(np.uint8), new.view(np.uint8), "BF16", codec.CodecConfig(dense_fraction=2.0))
+    assert np.array_equal(codec.decode(old.view(np.uint8), payload, "BF16", 2 * n), new.view(np.uint8))
+
+
 @pytest.mark.parametrize("dtype", ["BF16", "F16", "F32"])
 @pytest.mark.parametrize("n", [0, 1, 2, 7])
 @pytest.mark.parametrize("pattern", ["none", "all", "one"])
