@@ -46,12 +46,27 @@ def start(app_state: Any, settings: Settings, adapter: EngineAdapter | None) -> 
         log.warning("delta-swap: no store configured (%s); the server will not follow a store",
                     Settings.env_name("store"))
         return None
+    show_info_logs()
     subscriber = Subscriber(settings, adapter)
     set_subscriber(app_state, subscriber)
     subscriber.start()
     log.info("delta-swap: %s follows %s (drain=%s, %d tensors served)", adapter.name, settings.store,
              settings.drain.value, len(adapter.served.specs))
     return subscriber
+
+
+def show_info_logs() -> None:
+    """Make delta-swap's INFO lines (one per applied update, with its phase timings) reach the
+    server's output. SGLang configures the root logger; vLLM configures only its own, and Python
+    then prints WARNING and above only. A level set on the ``delta_swap`` logger is left alone."""
+    pkg = logging.getLogger("delta_swap")
+    if pkg.level != logging.NOTSET:
+        return
+    pkg.setLevel(logging.INFO)
+    if not pkg.hasHandlers():
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        pkg.addHandler(handler)
 
 
 async def stop(app: Any) -> None:

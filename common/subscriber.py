@@ -212,6 +212,8 @@ class Subscriber:
                              "(the newer snapshots cannot be rebuilt); pass allow_older=1 to do it anyway")
         self.adapter.served.check_fits(target.specs)  # before a byte is fetched
         timings: dict[str, float] = {"fetch": 0.0, "decode": 0.0, "verify": 0.0}
+        log.info("delta-swap: updating from %s to %s (%d snapshot(s) to fetch)",
+                 current and current.snapshot_id, target.snapshot_id, len(path))
         self._phase = "fetch"
         start = None if path[0].kind is SnapshotKind.BASE else self._state
         if any(t.encoding not in (Encoding.RAW, Encoding.SAME) for m in path for t in m.tensors):

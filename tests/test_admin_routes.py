@@ -159,3 +159,28 @@ def test_bad_settings_fail_fast(value) -> None:
 
     with pytest.raises(ConfigError):
         Settings.load(None, {"DELTA_SWAP_MAX_STEP_JUMP": value or "1.5"})
+
+
+_LOGS = """
+import logging, sys
+from delta_swap import service
+from delta_swap.subscriber import log
+if sys.argv[1] == "root":
+    logging.basicConfig(level=logging.WARNING, format="root %(message)s")
+if sys.argv[1] == "set":
+    logging.getLogger("delta_swap").setLevel(logging.ERROR)
+service.show_info_logs()
+service.show_info_logs()  # once is enough: no second handler
+log.info("delta-swap: now serving step-1")
+"""
+
+
+@pytest.mark.parametrize(("setup", "expected"), [("none", 1), ("root", 1), ("set", 0)])
+def test_update_lines_reach_the_server_output_once(setup: str, expected: int) -> None:
+    """vLLM leaves the root logger unconfigured, SGLang configures it: either way each applied
+    update's INFO line is printed once; a level the operator set on ``delta_swap`` wins."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _LOGS, setup], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stderr.count("now serving step-1") == expected, out.stderr
