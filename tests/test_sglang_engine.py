@@ -84,19 +84,25 @@ def generate_raw(url: str, prompt: list[int], max_tokens: int = 12, client: http
     return r.json()
 
 
-def generate_streamed(url: str, prompt: list[int], max_tokens: int, started: threading.Event) -> dict:
+def generate_streamed(url: str, prompt: list[int], max_tokens: int, started: threading.Event,
+                      barrier: threading.Barrier | None = None) -> dict:
     """Like generate_raw, streamed: ``started`` is set once the first tokens arrived; returns the
-    final chunk (cumulative output ids, meta_info with the weight-version spans)."""
+    final chunk (cumulative output ids, meta_info with the weight-version spans). With a
+    ``barrier``, the request is sent once every party's client is ready (making a client takes
+    up to seconds on a loaded machine: one CI run's first request ended before the others began)."""
     body = {"input_ids": [int(t) for t in prompt], "stream": True,
             "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}}
     last: dict = {}
-    with httpx.stream("POST", f"{url}/generate", json=body, timeout=300) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                last = json.loads(line[6:])
-                if last.get("output_ids"):
-                    started.set()
+    with httpx.Client(timeout=300) as client:
+        if barrier is not None:
+            barrier.wait(120)
+        with client.stream("POST", f"{url}/generate", json=body) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    last = json.loads(line[6:])
+                    if last.get("output_ids"):
+                        started.set()
     return last
 
 
@@ -319,12 +325,15 @@ def _swap_during_requests(url: str, store: Path, step: int, model: Path, creds: 
     wait_for(url, lambda s: s["codec_ready"], timeout=180)
     codec.warm_up()
     started = [threading.Event() for _ in range(n)]
+    together = threading.Barrier(n)
     with ThreadPoolExecutor(n) as pool:
         # Prompts sharing no prefix with PROMPTS: KV that the radix cache keeps from these long runs
         # was computed in other batch shapes, which moves this chaotic tiny model's logits a little.
-        futures = [pool.submit(generate_streamed, url, [2, 3 + i, 11, 13], tokens, started[i]) for i in range(n)]
+        futures = [pool.submit(generate_streamed, url, [2, 3 + i, 11, 13], tokens, started[i], together)
+                   for i in range(n)]
         for event in started:
             assert event.wait(120), "a long request produced no token"
+        assert not any(f.done() for f in futures), "a long request ended before the others had started"
         publish_dirs(store, [(step, model)], creds)
         httpx.post(f"{url}/delta_swap/notify", headers=creds.headers() if creds else {}, timeout=30).raise_for_status()
         results = [f.result() for f in futures]
