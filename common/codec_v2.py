@@ -134,12 +134,20 @@ def _golomb_read(words, pos, m, b, cutoff):
         win = win >> np.uint64(q + 1)
     else:
         win = _peek(words, pos)
-    v = np.int64(win & ((np.uint64(1) << np.uint64(b - 1)) - np.uint64(1)))
-    # truncated binary without a branch (taken about half the time, so a branch mispredicts
-    # often): v >= cutoff reads one more bit t, and the value is then cutoff + 2 (v - cutoff) + t
+    x, k = _golomb_rest(win, q, m, b, cutoff)
+    return x, pos + k
+
+
+@_inline
+def _golomb_rest(rest, q, m, b, cutoff):
+    """(value, remainder bits) of a code with quotient q (m > 1) whose remainder starts at bit 0
+    of ``rest``. Truncated binary without a branch (taken about half the time, so a branch
+    mispredicts often): v >= cutoff reads one more bit t, and the value is then
+    cutoff + 2 (v - cutoff) + t."""
+    v = np.int64(rest & ((np.uint64(1) << np.uint64(b - 1)) - np.uint64(1)))
     long_ = np.int64(v >= cutoff)
-    t = np.int64((win >> np.uint64(b - 1)) & np.uint64(1))
-    return q * m + v + long_ * (v - cutoff + t), pos + b - 1 + long_
+    t = np.int64((rest >> np.uint64(b - 1)) & np.uint64(1))
+    return q * m + v + long_ * (v - cutoff + t), b - 1 + long_
 
 
 @_inline
@@ -159,12 +167,8 @@ def _golomb_next(words, pos, win, avail, m, b, cutoff):
         L = q + 1
         x = q
     else:
-        rest = win >> np.uint64(q + 1)
-        v = np.int64(rest & ((np.uint64(1) << np.uint64(b - 1)) - np.uint64(1)))
-        long_ = np.int64(v >= cutoff)
-        t = np.int64((rest >> np.uint64(b - 1)) & np.uint64(1))
-        L = q + b + long_
-        x = q * m + v + long_ * (v - cutoff + t)
+        x, k = _golomb_rest(win >> np.uint64(q + 1), q, m, b, cutoff)
+        L = q + 1 + k
     return x, pos + L, win >> np.uint64(L), avail - L
 
 
