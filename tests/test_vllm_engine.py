@@ -60,6 +60,89 @@ def greedy(url: str) -> list[tuple[list[int], object]]:
     return [(o["token_ids"], o["logprobs"]) for o in outs]
 
 
+def _stream_completion(url: str, prompt: list[int], max_tokens: int, started: threading.Event) -> dict:
+    """Stream ``/v1/completions`` (the OpenAI route); set ``started`` at the first token; return the
+    finishing choice (its ``weight_versions`` spans)."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True}
+    final: dict = {}
+    arrivals: list[float] = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[6:]).get("choices", []):
+                if choice.get("text"):
+                    started.set()
+                    arrivals.append(time.time())
+                if choice.get("finish_reason"):
+                    final = choice
+    return {**final, "arrivals": arrivals}
+
+
+def test_keep_drain_tags_each_token_range_with_the_version_that_produced_it(tmp_path) -> None:
+    """keep (the default): requests running across a swap continue on the new weights, and the
+    OpenAI route reports both versions with the token ranges each produced. (Its own server: the
+    module's server drains in wait mode. First in the module, so that no other server runs beside
+    it: two CI runs saw the swap land only after the requests, with the module's server up.)
+
+    Its own, larger model too (25M parameters, ~20 ms per step here, so 1000 tokens last ~20 s
+    while an update takes ~0.5 s; one CI run saw 300 tokens end before it): with the tiny one, vLLM's
+    CPU engine steps faster than its API process handles the outputs, and the API process's event
+    loop (vLLM's output handler, the routes, the plugin's subscriber) then runs nothing else until
+    the requests end, so the swap could only land after them."""
+    a = make_tiny_model(tmp_path / "A", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
+                        intermediate_size=1536)
+    b = perturb_weights(a, tmp_path / "B", seed=1)
+    store = tmp_path / "store"
+    publish_dirs(store, [(0, a)], None)
+    # The server only polls at start and when notified; the update is published beforehand.
+    settings = {"store": store.as_uri(), "poll_interval": 3600, "drain": "keep"}
+    server = vllm_server.start(a, tmp_path, settings=settings, served_name="tiny", log_name="keep.log")
+    try:
+        wait_for(server.url, lambda s: s["current_step"] == 0 and s["codec_ready"], timeout=300)
+        publish_dirs(store, [(1, b)], None)
+        started = [threading.Event() for _ in range(3)]
+        with ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(_stream_completion, server.url, [2, 3 + i, 11, 13], 1000, started[i])
+                       for i in range(3)]
+            for event in started:
+                assert event.wait(120), "a long request produced no token"
+            assert status(server.url)["current_step"] == 0  # not polled meanwhile
+            notified = time.time()
+            httpx.post(f"{server.url}/delta_swap/notify", timeout=30).raise_for_status()
+            seen = []  # (seconds after the notify, status latency, step, phase) while the requests run
+            while not all(f.done() for f in futures):
+                t0 = time.time()
+                s = status(server.url)
+                seen.append((round(t0 - notified, 2), round(time.time() - t0, 3), s["current_step"], s["update_phase"]))
+                time.sleep(0.5)
+            outs = [f.result() for f in futures]
+        st = wait_for(server.url, lambda s: s["current_step"] == 1 or s["failures"] > 0, timeout=120)
+        assert st["current_step"] == 1 and st["failures"] == 0, st
+        spans = [out["weight_versions"] for out in outs]
+        if not all(len(s) == 2 for s in spans):  # the swap landed after the requests: print why
+            print(f"notified at {time.strftime('%H:%M:%S', time.localtime(notified))}.{int(notified * 1000) % 1000:03d}")
+            for out in outs:
+                t = out["arrivals"]
+                gaps = np.diff(t) if len(t) > 1 else np.zeros(1)
+                print(f"stream: {len(t)} chunks, {t[0] - notified:+.2f} s to {t[-1] - notified:+.2f} s after the "
+                      f"notify, longest gap {gaps.max():.2f} s at {t[int(gaps.argmax())] - notified:+.2f} s")
+            print("timings:", st["last_update_timings_s"])
+            print("status while the requests ran (s after notify, latency, step, phase):", seen)
+            print(server.log_tail(60))
+        assert all(len(s) == 2 for s in spans), spans
+        for out in outs:
+            assert out["finish_reason"] == "length", out
+            spans = out["weight_versions"]
+            assert [s["version"] for s in spans] == ["step-0000000000", "step-0000000001"], spans
+            assert spans[0]["start"] == 0 and 0 < spans[0]["end"] == spans[1]["start"] < 1000, spans
+            assert spans[1]["end"] == 1000, spans
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
@@ -217,67 +300,3 @@ def test_fifty_swaps_under_steady_load_without_a_failed_request(live, models, cr
         generate(server.url, PROMPTS[i % 3], 8, client=client)
 
     swaps_under_load(server.url, store, weights, request, first_step=11, creds=creds)
-
-
-def _stream_completion(url: str, prompt: list[int], max_tokens: int, started: threading.Event) -> dict:
-    """Stream ``/v1/completions`` (the OpenAI route); set ``started`` at the first token; return the
-    finishing choice (its ``weight_versions`` spans)."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True}
-    final: dict = {}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            for choice in json.loads(line[6:]).get("choices", []):
-                if choice.get("text"):
-                    started.set()
-                if choice.get("finish_reason"):
-                    final = choice
-    return final
-
-
-def test_keep_drain_tags_each_token_range_with_the_version_that_produced_it(tmp_path) -> None:
-    """keep (the default): requests running across a swap continue on the new weights, and the
-    OpenAI route reports both versions with the token ranges each produced. (Its own server: the
-    module's server drains in wait mode.)
-
-    Its own, larger model too (25M parameters, ~20 ms per step here, so 1000 tokens last ~20 s
-    while an update takes ~0.5 s; one CI run saw 300 tokens end before it): with the tiny one, vLLM's
-    CPU engine steps faster than its API process handles the outputs, and the API process's event
-    loop (vLLM's output handler, the routes, the plugin's subscriber) then runs nothing else until
-    the requests end, so the swap could only land after them."""
-    a = make_tiny_model(tmp_path / "A", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
-                        intermediate_size=1536)
-    b = perturb_weights(a, tmp_path / "B", seed=1)
-    store = tmp_path / "store"
-    publish_dirs(store, [(0, a)], None)
-    # The server only polls at start and when notified; the update is published beforehand.
-    settings = {"store": store.as_uri(), "poll_interval": 3600, "drain": "keep"}
-    server = vllm_server.start(a, tmp_path, settings=settings, served_name="tiny", log_name="keep.log")
-    try:
-        wait_for(server.url, lambda s: s["current_step"] == 0 and s["codec_ready"], timeout=300)
-        publish_dirs(store, [(1, b)], None)
-        started = [threading.Event() for _ in range(3)]
-        with ThreadPoolExecutor(3) as pool:
-            futures = [pool.submit(_stream_completion, server.url, [2, 3 + i, 11, 13], 1000, started[i])
-                       for i in range(3)]
-            for event in started:
-                assert event.wait(120), "a long request produced no token"
-            assert status(server.url)["current_step"] == 0  # not polled meanwhile
-            httpx.post(f"{server.url}/delta_swap/notify", timeout=30).raise_for_status()
-            outs = [f.result() for f in futures]
-        # Where the swap landed after the requests (a slow update), its timings say why.
-        st = wait_for(server.url, lambda s: s["current_step"] == 1 or s["failures"] > 0, timeout=120)
-        assert st["current_step"] == 1 and st["failures"] == 0, st
-        spans = [out["weight_versions"] for out in outs]
-        assert all(len(s) == 2 for s in spans), (spans, st["last_update_timings_s"], server.log_tail(30))
-        for out in outs:
-            assert out["finish_reason"] == "length", out
-            spans = out["weight_versions"]
-            assert [s["version"] for s in spans] == ["step-0000000000", "step-0000000001"], spans
-            assert spans[0]["start"] == 0 and 0 < spans[0]["end"] == spans[1]["start"] < 1000, spans
-            assert spans[1]["end"] == 1000, spans
-    finally:
-        server.stop()
