@@ -50,6 +50,8 @@ class Subscriber:
         self._resyncing = False
         self._last_resync: dict[str, Any] | None = None
         self._phase: str | None = None
+        self._phase_since: float | None = None  # time.monotonic() when the phase began
+        self._sync_since: float | None = None  # ... and when the sync under way began
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._stopping = False
@@ -151,7 +153,7 @@ class Subscriber:
                 self._record_error(exc)
                 return False
             finally:
-                self._staged_id = self._phase = None
+                self._staged_id = self._phase = self._phase_since = self._sync_since = None
                 self._export_metrics()
 
     async def resync(self, *, allow_older: bool = False) -> bool:
@@ -189,10 +191,12 @@ class Subscriber:
         return text[:500]
 
     def _enter_phase(self, phase: str) -> None:
-        self._phase = phase
+        self._phase, self._phase_since = phase, time.monotonic()
+        if phase == "poll":
+            self._sync_since = self._phase_since
 
     async def _sync(self, force_base: bool, allow_older: bool = False) -> bool:
-        self._phase = "poll"
+        self._enter_phase("poll")
         head = await self.reader.head()
         if head is None:
             return False
@@ -214,7 +218,7 @@ class Subscriber:
         timings: dict[str, float] = {"fetch": 0.0, "decode": 0.0, "verify": 0.0}
         log.info("delta-swap: updating from %s to %s (%d snapshot(s) to fetch)",
                  current and current.snapshot_id, target.snapshot_id, len(path))
-        self._phase = "fetch"
+        self._enter_phase("fetch")  # fetch, decode and verify
         start = None if path[0].kind is SnapshotKind.BASE else self._state
         if any(t.encoding not in (Encoding.RAW, Encoding.SAME) for m in path for t in m.tensors):
             await asyncio.to_thread(codec.start_warm_up(encoder=False).join)  # compiled before, not during
@@ -292,6 +296,9 @@ class Subscriber:
             "staleness_seconds": round(self._staleness_seconds(), 3),
             "staged_snapshot_id": self._staged_id,
             "update_phase": self._phase,
+            # How long the sync under way (None when idle) and its current phase have run so far.
+            "update_seconds": _since(self._sync_since),
+            "update_phase_seconds": _since(self._phase_since),
             "last_error": self._last_error,
             "last_error_kind": self._last_error_kind if self._last_error else None,
             "last_error_at": self._last_error_at,
@@ -337,6 +344,10 @@ class Subscriber:
             m.newest_step.set(self._newest.step)
         m.staleness_steps.set(self._staleness_steps() or 0)
         m.staleness_seconds.set(self._staleness_seconds())
+
+
+def _since(start: float | None) -> float | None:
+    return None if start is None else round(time.monotonic() - start, 3)
 
 
 def _payload(path: list[Manifest]) -> int:

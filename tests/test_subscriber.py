@@ -47,6 +47,33 @@ async def test_follows_deltas_and_hands_over_only_changed_tensors(tmp_path) -> N
     assert_state_equal(engine.weights, steps[3])
 
 
+async def test_status_shows_the_phase_of_an_update_under_way_and_for_how_long(tmp_path) -> None:
+    """An operator watching a slow update sees which phase it is in and since when."""
+    _publish(tmp_path, rl_steps(1), base_every=100)
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    class SlowToStage(RecordingAdapter):
+        async def stage(self, update):
+            entered.set()
+            await release.wait()
+            return await super().stage(update)
+
+    sub = Subscriber(Settings(store=str(tmp_path)), SlowToStage())
+    idle = sub.status()
+    assert idle["update_phase"] is None and idle["update_seconds"] is None and idle["update_phase_seconds"] is None
+    task = asyncio.create_task(sub.sync())
+    await asyncio.wait_for(entered.wait(), 60)
+    await asyncio.sleep(0.2)
+    busy = sub.status()
+    assert busy["update_phase"] == "stage"
+    assert 0.2 <= busy["update_phase_seconds"] <= busy["update_seconds"], busy
+    release.set()
+    assert await task
+    done = sub.status()
+    assert done["current_step"] == 0 and done["update_phase"] is None and done["update_seconds"] is None
+    await sub.stop()
+
+
 async def test_corrupt_delta_never_reaches_the_engine_and_status_says_why(tmp_path) -> None:
     steps = rl_steps(4)
     _publish(tmp_path, steps[:2], base_every=100)

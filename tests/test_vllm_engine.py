@@ -112,11 +112,12 @@ def test_keep_drain_tags_each_token_range_with_the_version_that_produced_it(tmp_
             assert status(server.url)["current_step"] == 0  # not polled meanwhile
             notified = time.time()
             httpx.post(f"{server.url}/delta_swap/notify", timeout=30).raise_for_status()
-            seen = []  # (seconds after the notify, status latency, step, phase) while the requests run
+            seen = []  # (s after the notify, status latency, step, phase, s in it) while the requests run
             while not all(f.done() for f in futures):
                 t0 = time.time()
                 s = status(server.url)
-                seen.append((round(t0 - notified, 2), round(time.time() - t0, 3), s["current_step"], s["update_phase"]))
+                seen.append((round(t0 - notified, 2), round(time.time() - t0, 3), s["current_step"], s["update_phase"],
+                             s["update_phase_seconds"]))
                 time.sleep(0.5)
             outs = [f.result() for f in futures]
         st = wait_for(server.url, lambda s: s["current_step"] == 1 or s["failures"] > 0, timeout=120)
@@ -130,7 +131,7 @@ def test_keep_drain_tags_each_token_range_with_the_version_that_produced_it(tmp_
                 print(f"stream: {len(t)} chunks, {t[0] - notified:+.2f} s to {t[-1] - notified:+.2f} s after the "
                       f"notify, longest gap {gaps.max():.2f} s at {t[int(gaps.argmax())] - notified:+.2f} s")
             print("timings:", st["last_update_timings_s"])
-            print("status while the requests ran (s after notify, latency, step, phase):", seen)
+            print("status while the requests ran (s after notify, latency, step, phase, s in it):", seen)
             print(server.log_tail(60))
         assert all(len(s) == 2 for s in spans), spans
         for out in outs:
