@@ -180,12 +180,19 @@ class VllmAdapter(EngineAdapter):
         else:
             await self._call({"op": "load", "path": staged.path, "names": staged.names}, update.version)
         # No new request may reuse KV computed with the old weights: drop the prefix cache. Requests
-        # kept in place recompute theirs if asked; else they keep it, their blocks stay, the reset
-        # may not happen, and the version in every request's cache salt keeps new ones apart.
+        # kept in place recompute theirs if asked; else they keep it and their blocks stay, so the
+        # reset cannot succeed (vLLM would log a warning at every swap) and is not tried: the
+        # version in every request's cache salt keeps new requests apart from the old KV.
         keep_kv = self._drain is DrainPolicy.KEEP and not self.settings.recompute_kv
+        if keep_kv and self._requests_in_flight():
+            return
         reset = await self.engine.reset_prefix_cache(reset_running_requests=not keep_kv)
         if not reset and not keep_kv:
             raise EngineError("vllm: refused to reset its prefix cache after a weight update")
+
+    def _requests_in_flight(self) -> bool:
+        count = getattr(self.engine, "get_num_unfinished_requests", None)
+        return bool(count and count())
 
     async def resume(self) -> None:
         if await self.engine.is_paused():
