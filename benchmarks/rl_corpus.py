@@ -64,6 +64,9 @@ CORPORA: dict[str, tuple[CorpusConfig, tuple[float, ...]]] = {
     "llama": (CorpusConfig(), (1e-6, 3e-6, 1e-5)),
     "qwen2": (CorpusConfig(architecture="qwen2", hidden_size=512, intermediate_size=1408, num_layers=8,
                            num_heads=8, num_kv_heads=2, vocab_size=4096, seed=7), (3e-6, 1e-5)),
+    # A 0.1M-parameter model built in seconds: the CI-sized smoke run of the codec benchmark.
+    "smoke": (CorpusConfig(hidden_size=64, intermediate_size=160, num_layers=2, num_heads=4, num_kv_heads=2,
+                           vocab_size=512, text_bytes=200_000, seq_len=64, pretrain_steps=10, seed=3), (1e-5,)),
 }
 
 

@@ -1,0 +1,64 @@
+"""A CI-sized run of the codec benchmark (benchmarks/codec_bench.py) on its ``smoke`` corpus: a
+0.1M-parameter model built in seconds under a temporary cache, two checkpoint pairs, every default
+method including Fireworks' ARC v3 (the real ``fireworks-delta-compression`` package).
+
+It checks what the benchmark reports, not how fast this machine is: every method's round trip is
+verified bit-exact by the benchmark itself (it raises otherwise), codec v2's payload is below ARC
+v3's smallest and above the entropy of its own model, and the printed table has a row per method.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fireworks_delta_compression", reason="ARC v3 is the benchmark's anchor")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> tuple[dict, str]:
+    tmp = tmp_path_factory.mktemp("codec-bench")
+    out = tmp / "report.json"
+    env = {**os.environ, "DELTA_SWAP_CACHE": str(tmp / "cache")}
+    run = subprocess.run([sys.executable, "-m", "benchmarks.codec_bench", "--corpus", "smoke", "--steps", "2",
+                          "--repeats", "1", "--threads", "--json", str(out)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(out.read_text()), run.stdout
+
+
+def test_the_report_covers_every_method_on_real_rl_pairs(report) -> None:
+    doc, _ = report
+    result = doc["corpora"]["smoke"]["results"]["1e-05"]
+    assert result["pairs"] == 2 and result["model_bytes"] > 100_000
+    assert 0.001 < result["changed_fraction"] < 0.5  # an RL-like step: most elements unchanged
+    assert set(result["methods"]) == {"delta_swap", "delta_swap_v1", "arc_v3@1", "arc_v3@19", "xor+zstd3"}
+    for name, m in result["methods"].items():
+        assert m["payload_bytes"] > 0 and m["encode_mb_s"] > 0 and m["rebuild_mb_s"] > 0, name
+
+
+def test_codec_v2_is_smaller_than_arc_v3_and_not_below_its_entropy(report) -> None:
+    doc, _ = report
+    result = doc["corpora"]["smoke"]["results"]["1e-05"]
+    methods = result["methods"]
+    ours = methods["delta_swap"]["payload_pct"]
+    best_arc = min(methods["arc_v3@1"]["payload_pct"], methods["arc_v3@19"]["payload_pct"])
+    assert ours < best_arc and ours < methods["delta_swap_v1"]["payload_pct"]
+    # A lossless coder cannot beat the entropy of the model it codes with (headers come on top).
+    assert result["entropy_conditional_pct"] <= ours
+    assert result["entropy_conditional_pct"] < result["entropy_order0_pct"]
+    assert result["target"]["payload_vs_best_arc_v3"] == pytest.approx(ours / best_arc)
+
+
+def test_the_printed_table_has_a_row_per_method_and_the_entropies(report) -> None:
+    _, stdout = report
+    assert "smoke" in stdout and "entropy: order-0" in stdout
+    for name in ("delta_swap", "delta_swap_v1", "arc_v3@1", "arc_v3@19", "xor+zstd3"):
+        assert f" {name} " in stdout, name
