@@ -1,0 +1,43 @@
+"""A CI-sized run of the swap-window benchmark (benchmarks/swap_window.py, figure 1) on vLLM: the
+3M model, two RL-sized updates, the engine's own reload of the same weights twice, and a restart,
+then the table and the plot, as ``python -m benchmarks.swap_window`` makes them.
+
+It checks what the figure claims, not this machine's speed: every update was served, its window is
+the pause + swap + resume of the server's own timings and lies inside its publish-to-serving time,
+and a restart stops generation far longer than an update does.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import swap_window
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def row(tmp_path_factory) -> dict:
+    return swap_window.measure("vllm", "3M", tmp_path_factory.mktemp("window"), updates=2)
+
+
+def test_every_update_is_timed_from_the_servers_own_phases(row) -> None:
+    assert row["engine"] == "vllm" and row["model_bytes"] > 1_000_000 and row["swap_path"] in ("arena", "reload")
+    assert len(row["updates"]) == 2
+    for update in row["updates"]:
+        timings = update["timings"]
+        assert update["window_s"] == pytest.approx(sum(timings[p] for p in ("pause", "swap", "resume")))
+        assert 0 < update["window_s"] < update["publish_to_serving_s"]
+        assert {"fetch", "decode", "verify", "stage"} <= set(timings)
+
+
+def test_an_update_stops_generation_far_less_than_a_restart(row) -> None:
+    assert len(row["reload_s"]) == 2 and all(r > 0 for r in row["reload_s"])
+    assert max(u["window_s"] for u in row["updates"]) * 10 < row["restart_s"], row
+
+
+def test_the_table_and_the_plot(row, tmp_path) -> None:
+    header, line = swap_window.summarize([row])
+    assert "window" in header and line.split()[:2] == ["vllm", "3M"]
+    swap_window.plot([row], tmp_path / "window.png")
+    assert (tmp_path / "window.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
