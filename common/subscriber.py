@@ -192,11 +192,10 @@ class Subscriber:
 
     def _enter_phase(self, phase: str) -> None:
         self._phase, self._phase_since = phase, time.monotonic()
-        if phase == "poll":
-            self._sync_since = self._phase_since
 
     async def _sync(self, force_base: bool, allow_older: bool = False) -> bool:
         self._enter_phase("poll")
+        self._sync_since = self._phase_since
         head = await self.reader.head()
         if head is None:
             return False
