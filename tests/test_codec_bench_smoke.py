@@ -1,4 +1,5 @@
-"""A CI-sized run of the codec benchmark (benchmarks/codec_bench.py) on its ``smoke`` corpus: a
+"""CI-sized runs of the codec benchmark (benchmarks/codec_bench.py) and of the context study
+(benchmarks/context_entropy.py) on the ``smoke`` corpus: a
 0.1M-parameter model built in seconds under a temporary cache, two checkpoint pairs, every default
 method including Fireworks' ARC v3 (the real ``fireworks-delta-compression`` package).
 
@@ -62,3 +63,37 @@ def test_the_printed_table_has_a_row_per_method_and_the_entropies(report) -> Non
     assert "smoke" in stdout and "entropy: order-0" in stdout
     for name in ("delta_swap", "delta_swap_v1", "arc_v3@1", "arc_v3@19", "xor+zstd3"):
         assert f" {name} " in stdout, name
+
+
+def test_the_context_study_measures_against_real_v2_payloads(tmp_path, monkeypatch) -> None:
+    """context_entropy end to end on the smoke corpus: every saving is a fraction of the real v2
+    payload of the same tensors."""
+    from benchmarks import context_entropy, rl_corpus
+
+    monkeypatch.setenv("DELTA_SWAP_CACHE", str(tmp_path))
+    config, lrs = rl_corpus.CORPORA["smoke"]
+    (checkpoints,) = rl_corpus.rl_checkpoints(lrs, 3, config).values()
+    r = context_entropy.measure(checkpoints)
+    assert r["v2_payload"] > 8 * 10_000
+    for lever in ("rows", "previous", "both", "signs"):
+        assert abs(r[lever]) < r["v2_payload"], lever
+
+
+def test_the_context_study_groups_rows_only_where_it_pays() -> None:
+    """Rows changing at two very different rates get groups (and save bits); rows that all change
+    at one rate do not (the 3 bits per row would be lost)."""
+    import numpy as np
+
+    from benchmarks import context_entropy
+
+    rng = np.random.default_rng(0)
+    shape = (256, 512)
+    exp = np.full(shape[0] * shape[1], 120)
+    rates = np.repeat(np.where(np.arange(shape[0]) % 2 == 0, 0.3, 0.01), shape[1])
+    mixed = rng.random(exp.size) < rates
+    group, g, side = context_entropy._row_groups(exp, mixed, shape)
+    assert g > 1 and side == shape[0] * np.log2(g)
+    grouped = context_entropy._class_bits(exp * g + group, mixed) + side
+    assert grouped < 0.8 * context_entropy._class_bits(exp, mixed)
+    uniform = rng.random(exp.size) < 0.05
+    assert context_entropy._row_groups(exp, uniform, shape)[1] == 1

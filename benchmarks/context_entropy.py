@@ -1,0 +1,116 @@
+"""How much further contexts could shrink codec v2's payload (issue 12), measured, not built.
+
+    python -m benchmarks.context_entropy [--corpus llama qwen2] [--steps 4]
+
+On codec_bench's corpora (``rl_corpus.py``), for every bf16 tensor of every checkpoint pair that
+has a previous pair, it codes the delta with codec v2 (the real payload size) and estimates the
+bits a static per-class model would save with more context, against v2's own model (a change
+rate per exponent class, 5 bytes per class record):
+
+* ``rows``: each matrix's rows in 2, 4 or 8 groups by their change rate (where that pays; 3 bits
+  per row to name the group), one rate per exponent class and group;
+* ``previous``: one rate per exponent class and "changed in the previous step";
+* ``both``: exponent class x row group x changed-before;
+* ``signs``: the sign of a change whose element also changed in the previous step, coded as
+  same-or-not as the previous sign.
+
+Savings are printed as a percentage of the v2 payload of the same tensors. Estimates are ideal
+code lengths (binary entropies), so a coder would land slightly above them.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import torch
+
+from benchmarks.rl_corpus import CORPORA, rl_checkpoints
+from delta_swap import codec_v2
+
+RECORD_BITS = 40  # one class record in a v2 payload, about 5 bytes
+GROUPS = (2, 4, 8)
+
+
+def _binary_bits(k: np.ndarray, n: np.ndarray) -> float:
+    p = np.clip(k / np.maximum(n, 1), 1e-12, 1 - 1e-12)
+    return float((n * -(p * np.log2(p) + (1 - p) * np.log2(1 - p))).sum())
+
+
+def _class_bits(context: np.ndarray, changed: np.ndarray) -> float:
+    """Ideal bits of the change mask with one rate per context, plus a record per used context."""
+    n = np.bincount(context)
+    k = np.bincount(context, weights=changed)
+    used = k > 0
+    return _binary_bits(k[used], n[used]) + RECORD_BITS * int(used.sum())
+
+
+def _ordered_key(bits: np.ndarray) -> np.ndarray:
+    return np.where(bits & 0x8000, 0xFFFF - bits, bits | 0x8000)
+
+
+def _row_groups(exp: np.ndarray, changed: np.ndarray, shape: tuple[int, ...]) -> tuple[np.ndarray, int, float]:
+    """(group of every element, number of groups, side bits) of the cheapest row grouping."""
+    best = (np.zeros(exp.size, np.int64), 1, 0.0)
+    if len(shape) != 2 or shape[1] < 256:
+        return best
+    rows, cols = shape
+    rate = np.bincount(exp, weights=changed, minlength=256) / np.maximum(np.bincount(exp, minlength=256), 1)
+    ratio = changed.reshape(shape).sum(1) / np.maximum(rate[exp].reshape(shape).sum(1), 1e-9)
+    best_bits = _class_bits(exp, changed)
+    for g in GROUPS:
+        cuts = np.quantile(ratio, np.linspace(0, 1, g + 1)[1:-1])
+        group = np.repeat(np.searchsorted(cuts, ratio, side="right"), cols)
+        side = rows * np.log2(g)
+        bits = _class_bits(exp * g + group, changed) + side
+        if bits < best_bits:
+            best, best_bits = (group, g, side), bits
+    return best
+
+
+def measure(checkpoints: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Savings of each context, in bits, and the v2 payload bits they compare with."""
+    out = {"v2_payload": 0.0, "rows": 0.0, "previous": 0.0, "both": 0.0, "signs": 0.0}
+    for before, old, new in zip(checkpoints, checkpoints[1:], checkpoints[2:]):
+        for name, tensor in old.items():
+            if tensor.dtype != torch.bfloat16:
+                continue
+            u, v, w = (t[name].view(torch.int16).numpy().astype(np.int64).ravel() & 0xFFFF for t in (old, new, before))
+            if np.array_equal(u, v):
+                continue
+            payload = codec_v2.encode_delta(u.astype(np.uint16).view(np.uint8), v.astype(np.uint16).view(np.uint8),
+                                            "BF16", tuple(tensor.shape))
+            out["v2_payload"] += 8 * len(payload)
+            step, previous = _ordered_key(v) - _ordered_key(u), _ordered_key(u) - _ordered_key(w)
+            changed, changed_before = step != 0, (previous != 0).astype(np.int64)
+            exp = (u >> 7) & 0xFF
+            base = _class_bits(exp, changed)
+            group, g, side = _row_groups(exp, changed, tuple(tensor.shape))
+            out["rows"] += base - _class_bits(exp * g + group, changed) - side
+            out["previous"] += base - _class_bits(exp * 2 + changed_before, changed)
+            out["both"] += base - _class_bits((exp * g + group) * 2 + changed_before, changed) - side
+            again = changed & (changed_before == 1)
+            if again.any():
+                same = np.sign(step[again]) == np.sign(previous[again])
+                out["signs"] += again.sum() - _binary_bits(np.array([same.sum()]), np.array([again.sum()])) - 16
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--corpus", nargs="+", choices=sorted(CORPORA), default=["llama", "qwen2"])
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps (= checkpoint pairs) per lr")
+    args = parser.parse_args(argv)
+    print(f"{'corpus':<7} {'lr':>7}  saving as % of the v2 payload (pairs 2-{args.steps})")
+    print(f"{'':<7} {'':>7}  {'rows':>6} {'previous':>9} {'both':>6} {'signs':>6} {'both+signs':>11}")
+    for name in args.corpus:
+        config, lrs = CORPORA[name]
+        for lr, checkpoints in rl_checkpoints(lrs, args.steps, config).items():
+            r = measure(checkpoints)
+            pct = {k: 100 * v / r["v2_payload"] for k, v in r.items() if k != "v2_payload"}
+            print(f"{name:<7} {lr:>7g}  {pct['rows']:>6.2f} {pct['previous']:>9.2f} {pct['both']:>6.2f} "
+                  f"{pct['signs']:>6.2f} {pct['both'] + pct['signs']:>11.2f}")
+
+
+if __name__ == "__main__":
+    main()
