@@ -302,4 +302,4 @@ def test_fifty_swaps_under_steady_load_without_a_failed_request(live, models, cr
     def request(client: httpx.Client, i: int) -> None:
         generate(server.url, PROMPTS[i % 3], 8, client=client)
 
-    swaps_under_load(server.url, store, weights, request, first_step=11, creds=creds)
+    swaps_under_load(server, store, weights, request, first_step=11, creds=creds)
