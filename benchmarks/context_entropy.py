@@ -12,7 +12,12 @@ rate per exponent class, 5 bytes per class record):
 * ``previous``: one rate per exponent class and "changed in the previous step";
 * ``both``: exponent class x row group x changed-before;
 * ``signs``: the sign of a change whose element also changed in the previous step, coded as
-  same-or-not as the previous sign.
+  same-or-not as the previous sign;
+* ``values``: each change's |step| and sign coded together, given the exponent class and the
+  element's previous step (0, 1, 2 or 3+ ULPs; or only whether there was one, whichever is
+  cheaper for the tensor; none when neither pays), the sign relative to the previous step's;
+  against v2's |step| given the exponent class and one raw bit per sign. Both sides pay a 12-bit
+  table entry per symbol a context uses.
 
 Savings are printed as a percentage of the v2 payload of the same tensors. Estimates are ideal
 code lengths (binary entropies), so a coder would land slightly above them.
@@ -29,6 +34,8 @@ from benchmarks.rl_corpus import CORPORA, rl_checkpoints
 from delta_swap import codec_v2
 
 RECORD_BITS = 40  # one class record in a v2 payload, about 5 bytes
+TABLE_ENTRY_BITS = 12  # one quantised frequency of a rANS table
+MAX_STEP = 64  # |step| above this shares one symbol (an escape, as in v2's tables)
 GROUPS = (2, 4, 8)
 
 
@@ -43,6 +50,14 @@ def _class_bits(context: np.ndarray, changed: np.ndarray) -> float:
     k = np.bincount(context, weights=changed)
     used = k > 0
     return _binary_bits(k[used], n[used]) + RECORD_BITS * int(used.sum())
+
+
+def _table_bits(context: np.ndarray, symbol: np.ndarray) -> float:
+    """Ideal bits of the symbols with one static distribution per context, plus its table."""
+    pairs, count = np.unique(context * (4 * MAX_STEP) + symbol, return_counts=True)
+    _, ctx = np.unique(pairs // (4 * MAX_STEP), return_inverse=True)
+    total = np.bincount(ctx, weights=count)
+    return float((count * np.log2(total[ctx] / count)).sum()) + TABLE_ENTRY_BITS * pairs.size
 
 
 def _ordered_key(bits: np.ndarray) -> np.ndarray:
@@ -70,7 +85,7 @@ def _row_groups(exp: np.ndarray, changed: np.ndarray, shape: tuple[int, ...]) ->
 
 def measure(checkpoints: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     """Savings of each context, in bits, and the v2 payload bits they compare with."""
-    out = {"v2_payload": 0.0, "rows": 0.0, "previous": 0.0, "both": 0.0, "signs": 0.0}
+    out = {"v2_payload": 0.0, "rows": 0.0, "previous": 0.0, "both": 0.0, "signs": 0.0, "values": 0.0}
     for before, old, new in zip(checkpoints, checkpoints[1:], checkpoints[2:]):
         for name, tensor in old.items():
             if tensor.dtype != torch.bfloat16:
@@ -93,6 +108,13 @@ def measure(checkpoints: list[dict[str, torch.Tensor]]) -> dict[str, float]:
             if again.any():
                 same = np.sign(step[again]) == np.sign(previous[again])
                 out["signs"] += again.sum() - _binary_bits(np.array([same.sum()]), np.array([again.sum()])) - 16
+            step_c, prev_c, exp_c = step[changed], previous[changed], exp[changed]
+            size, negative = np.minimum(np.abs(step_c), MAX_STEP), (step_c < 0).astype(np.int64)
+            relative = negative ^ (prev_c < 0)  # 0: the direction of the previous step (or +, if none)
+            v2_values = _table_bits(exp_c, size) + size.size
+            out["values"] += max(0.0, v2_values - min(  # the cheapest per tensor, as an encoder would choose
+                _table_bits(exp_c * 4 + np.minimum(np.abs(prev_c), 3), size * 2 + relative),
+                _table_bits(exp_c * 2 + (prev_c != 0), size * 2 + relative)))
     return out
 
 
@@ -102,14 +124,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps (= checkpoint pairs) per lr")
     args = parser.parse_args(argv)
     print(f"{'corpus':<7} {'lr':>7}  saving as % of the v2 payload (pairs 2-{args.steps})")
-    print(f"{'':<7} {'':>7}  {'rows':>6} {'previous':>9} {'both':>6} {'signs':>6} {'both+signs':>11}")
+    print(f"{'':<7} {'':>7}  {'rows':>6} {'previous':>9} {'both':>6} {'signs':>6} {'both+signs':>11} {'values':>7} "
+          f"{'both+values':>12}")
     for name in args.corpus:
         config, lrs = CORPORA[name]
         for lr, checkpoints in rl_checkpoints(lrs, args.steps, config).items():
             r = measure(checkpoints)
             pct = {k: 100 * v / r["v2_payload"] for k, v in r.items() if k != "v2_payload"}
             print(f"{name:<7} {lr:>7g}  {pct['rows']:>6.2f} {pct['previous']:>9.2f} {pct['both']:>6.2f} "
-                  f"{pct['signs']:>6.2f} {pct['both'] + pct['signs']:>11.2f}")
+                  f"{pct['signs']:>6.2f} {pct['both'] + pct['signs']:>11.2f} {pct['values']:>7.2f} "
+                  f"{pct['both'] + pct['values']:>12.2f}")
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ def test_the_context_study_measures_against_real_v2_payloads(tmp_path, monkeypat
     (checkpoints,) = rl_corpus.rl_checkpoints(lrs, 3, config).values()
     r = context_entropy.measure(checkpoints)
     assert r["v2_payload"] > 8 * 10_000
-    for lever in ("rows", "previous", "both", "signs"):
+    for lever in ("rows", "previous", "both", "signs", "values"):
         assert abs(r[lever]) < r["v2_payload"], lever
 
 
@@ -97,3 +97,33 @@ def test_the_context_study_groups_rows_only_where_it_pays() -> None:
     assert grouped < 0.8 * context_entropy._class_bits(exp, mixed)
     uniform = rng.random(exp.size) < 0.05
     assert context_entropy._row_groups(exp, uniform, shape)[1] == 1
+
+
+def test_the_context_study_credits_values_only_when_the_previous_step_tells_something() -> None:
+    """Steps that repeat the previous step's direction save about a bit each; steps whose signs
+    are drawn afresh every time save nothing (the study then keeps v2's coding)."""
+    import numpy as np
+    import torch
+
+    from benchmarks import context_entropy
+
+    rng = np.random.default_rng(1)
+    start = torch.randn(256, 512).to(torch.bfloat16)
+    keys = start.view(torch.int16).numpy().astype(np.int64) & 0xFFFF
+    keys = context_entropy._ordered_key(keys)
+    moving = rng.random(keys.shape) < 0.2
+
+    def chain(directions: list[np.ndarray]) -> list[dict[str, torch.Tensor]]:
+        out, k = [], keys.copy()
+        for d in [np.zeros_like(keys)] + directions:
+            k = k + np.where(moving, d, 0)
+            bits = np.where(k & 0x8000, k ^ 0x8000, 0xFFFF - k).astype(np.uint16)
+            out.append({"w": torch.from_numpy(bits.view(np.int16).copy()).view(torch.bfloat16)})
+        return out
+
+    same = np.where(rng.random(keys.shape) < 0.5, 1, -1)
+    repeated = context_entropy.measure(chain([same, same]))
+    fresh = context_entropy.measure(chain([np.where(rng.random(keys.shape) < 0.5, 1, -1) for _ in range(2)]))
+    changes = int(moving.sum())
+    assert repeated["values"] > 0.8 * changes
+    assert fresh["values"] < 0.02 * changes
