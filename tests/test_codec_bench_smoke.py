@@ -127,3 +127,17 @@ def test_the_context_study_credits_values_only_when_the_previous_step_tells_some
     changes = int(moving.sum())
     assert repeated["values"] > 0.8 * changes
     assert fresh["values"] < 0.02 * changes
+
+
+def test_the_values_prototype_round_trips_and_never_costs_more_than_v2(tmp_path, monkeypatch) -> None:
+    """benchmarks/values_prototype on the smoke corpus: both decoders rebuild every tensor
+    bit-exact (checked inside), and a tensor keeps v2's values where the prototype's are larger."""
+    from benchmarks import rl_corpus, values_prototype
+
+    monkeypatch.setenv("DELTA_SWAP_CACHE", str(tmp_path))
+    config, lrs = rl_corpus.CORPORA["smoke"]
+    (checkpoints,) = rl_corpus.rl_checkpoints(lrs, 3, config).values()
+    r = values_prototype.measure(checkpoints)
+    assert 0 < r["v2_values"] < r["v2_payload"]
+    assert 0 < r["before"] <= r["v2_values"] and 0 < r["bits"] <= r["v2_values"]
+    assert r["elements"] > 0 and r["before_seconds"] > 0 and r["bits_seconds"] > 0

@@ -1,0 +1,372 @@
+"""A working coder for the ``values`` lever of ``context_entropy`` (issue 12), measured against v2.
+
+    python -m benchmarks.values_prototype [--corpus llama qwen2] [--steps 4]
+
+Codec v2 codes each change's |step| per exponent class (in class order) and its sign as a raw
+bit. The lever codes both together with rANS, in element order, given the class and the
+element's previous step (the decoder holds the tensor before the previous one too, so it knows
+that step): the symbol is (min(|step|, T) - 1, sign relative to the previous step). This script
+codes the values of real checkpoint pairs that way, with the class boundaries of the real v2
+payload, decodes them again (bit-exact, checked) and prints:
+
+* the bytes v2 spends on values (its payload minus the payload of the same changes with every
+  step +1 and no sign, plus the sign bytes), and the prototype's (tables, rANS words and
+  escapes, with the per-tensor choice of context: none, changed-or-not, or |previous step| 0-3;
+  a tensor whose v2 values are smaller keeps them);
+* what the whole payload would then be, as a fraction of v2's;
+* the time to decode and apply the values, in ns per element, beside v2's whole decode of the
+  same tensors (v2 spends ~0.3 ns per element on values and ~0.4 on applying the changes at lr
+  1e-5: benchmarks/README.md).
+
+Two decoders: one keeps the tensor before the old one (context: |previous step| 0, 1, 2 or 3+),
+the other 2 bits per element (moved in the previous step, and down). Both read the changed
+elements in element order, two interleaved rANS states, one table per context.
+
+Positions are left as v2 codes them. This is a measurement before a format change, not a format:
+escapes are counted at v2's cost (6 + L bits) but handed to the decoder as a list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numba as nb
+import numpy as np
+import torch
+
+from benchmarks.rl_corpus import CORPORA, rl_checkpoints
+from delta_swap import codec_v2
+
+T = 16  # |step| 1..T-1 literal, T and above escape
+SYMBOLS = 2 * T
+SCALE_BITS = 9  # 512 slots per context: smaller and faster than 2048 here (tables stay in L1/L2)
+SCALE = 1 << SCALE_BITS
+RANS_L = 1 << 16
+_jit = nb.njit(cache=True, nogil=True)
+
+
+def _keys(bits: np.ndarray) -> np.ndarray:
+    return np.where(bits & 0x8000, 0xFFFF - bits, bits | 0x8000)
+
+
+def _varint_len(x: int) -> int:
+    return max(1, (int(x).bit_length() + 6) // 7)
+
+
+def v2_classes(payload: bytes) -> list[tuple[int, int]]:
+    """The [lo, hi] exponent ranges of a v2 ULP payload's classes (docs/FORMAT.md)."""
+    p = memoryview(payload)
+
+    def varint(pos: int) -> tuple[int, int]:
+        x = shift = 0
+        while True:
+            b = p[pos]
+            pos, x, shift = pos + 1, x | (b & 127) << shift, shift + 7
+            if b < 128:
+                return x, pos
+
+    assert bytes(p[:4]) == b"DSC2" and p[4] == 1
+    _, pos = varint(7)  # n_elements
+    _, pos = varint(pos)  # n_changed
+    _, pos = varint(pos)  # row_len
+    row_mode, pos = p[pos], pos + 1
+    if row_mode:
+        _, pos = varint(pos)
+        _, pos = varint(pos)
+    k, pos = varint(pos)
+    classes, hi = [], -1
+    for _ in range(k):
+        lo_delta, pos = varint(pos)
+        span, pos = varint(pos)
+        lo = hi + 1 + lo_delta
+        hi = lo + span
+        classes.append((lo, hi))
+        cflags, pos = p[pos], pos + 1
+        _, pos = varint(pos)
+        if cflags & 1:
+            _, pos = varint(pos)
+        _, pos = varint(pos)
+        if cflags >> 1 == 1:
+            _, pos = varint(pos)
+        elif cflags >> 1 == 2:
+            n, pos = varint(pos)
+            for _ in range(n):
+                _, pos = varint(pos)
+    return classes
+
+
+def _quantize(counts: np.ndarray) -> np.ndarray:
+    """Frequencies summing to SCALE, at least 1 for every used symbol."""
+    f = np.where(counts > 0, np.maximum(1, np.floor(counts * SCALE / counts.sum())), 0).astype(np.int64)
+    f[np.argmax(counts)] += SCALE - f.sum()
+    assert f.min() >= 0
+    return f
+
+
+@_jit
+def _encode(ctx, sym, freqs, out):
+    """Two interleaved rANS states (change j uses state j % 2), coded in reverse; returns how many
+    uint16 words it wrote at the end of out (the decoder reads both states first)."""
+    cum = np.zeros((freqs.shape[0], SYMBOLS + 1), np.int64)
+    for c in range(freqs.shape[0]):
+        for s in range(SYMBOLS):
+            cum[c, s + 1] = cum[c, s] + freqs[c, s]
+    xs = np.full(2, RANS_L, np.uint64)
+    w = out.size
+    for j in range(ctx.size - 1, -1, -1):
+        c, s = ctx[j], sym[j]
+        x = xs[j & 1]
+        fs = np.uint64(freqs[c, s])
+        if x >= (fs << np.uint64(32 - SCALE_BITS)):
+            w -= 1
+            out[w] = np.uint16(x & np.uint64(0xFFFF))
+            x >>= np.uint64(16)
+        xs[j & 1] = ((x // fs) << np.uint64(SCALE_BITS)) + (x % fs) + np.uint64(cum[c, s])
+    for k in (1, 0):
+        w -= 1
+        out[w] = np.uint16(xs[k] >> np.uint64(16))
+        w -= 1
+        out[w] = np.uint16(xs[k] & np.uint64(0xFFFF))
+    return out.size - w
+
+
+@nb.njit(inline="always", nogil=True)
+def _one(out, before, i, lut, states, slots, words, wp, last, x, escapes, e):
+    o = np.int64(out[i])
+    b = np.int64(before[i])
+    ko = o ^ (0x8000 | ((-(o >> 15)) & 0x7FFF))
+    kb = b ^ (0x8000 | ((-(b >> 15)) & 0x7FFF))
+    prev = ko - kb
+    ctx = lut[(o >> 7) & 0xFF] + states[min(abs(prev), 3)]
+    v = np.uint64(slots[ctx, x & np.uint64(SCALE - 1)])
+    s = np.int64(v & np.uint64(63))
+    x = (v >> np.uint64(18)) * (x >> np.uint64(SCALE_BITS)) + ((v >> np.uint64(6)) & np.uint64(SCALE - 1))
+    need = x < RANS_L  # renormalise without a branch, as v2 does
+    nxt = np.uint64(words[min(wp, last)])
+    x = (x << np.uint64(16)) | nxt if need else x
+    wp += np.int64(need)
+    size = (s >> 1) + 1
+    if size == T:
+        size += escapes[e]
+        e += 1
+    negative = (s & 1) ^ (1 if prev < 0 else 0)
+    k = ko + (size ^ -negative) + negative
+    out[i] = k ^ (0x8000 | ((-(1 - (k >> 15))) & 0x7FFF))
+    return x, wp, e
+
+
+@_jit
+def _decode(out, before, changed, lut, states, slots, words, escapes):
+    """In place: out holds the old elements (BF16 bits); rewrite the changed ones. ``lut`` maps
+    an exponent to its class's first context, ``states`` the previous step's |step| (capped at
+    3) to a context offset; ``slots`` packs per context and slot: symbol, slot - cum, frequency.
+    Changes alternate between two rANS states, so two decode chains run at once."""
+    x0 = np.uint64(words[0]) | (np.uint64(words[1]) << np.uint64(16))
+    x1 = np.uint64(words[2]) | (np.uint64(words[3]) << np.uint64(16))
+    wp = 4
+    last = words.size - 1
+    e = 0
+    n = changed.size
+    j = 0
+    while j + 1 < n:
+        x0, wp, e = _one(out, before, changed[j], lut, states, slots, words, wp, last, x0, escapes, e)
+        x1, wp, e = _one(out, before, changed[j + 1], lut, states, slots, words, wp, last, x1, escapes, e)
+        j += 2
+    if j < n:
+        x0, wp, e = _one(out, before, changed[j], lut, states, slots, words, wp, last, x0, escapes, e)
+    return wp
+
+
+@nb.njit(inline="always", nogil=True)
+def _one_bits(out, moved, down, i, lut, slots, words, wp, last, x, escapes, e):
+    o = np.int64(out[i])
+    w = i >> 6
+    bit = np.uint64(i & 63)
+    had = np.int64((moved[w] >> bit) & np.uint64(1))
+    was_down = np.int64((down[w] >> bit) & np.uint64(1))
+    ko = o ^ (0x8000 | ((-(o >> 15)) & 0x7FFF))
+    ctx = lut[(o >> 7) & 0xFF] + had
+    v = np.uint64(slots[ctx, x & np.uint64(SCALE - 1)])
+    s = np.int64(v & np.uint64(63))
+    x = (v >> np.uint64(18)) * (x >> np.uint64(SCALE_BITS)) + ((v >> np.uint64(6)) & np.uint64(SCALE - 1))
+    need = x < RANS_L
+    nxt = np.uint64(words[min(wp, last)])
+    x = (x << np.uint64(16)) | nxt if need else x
+    wp += np.int64(need)
+    size = (s >> 1) + 1
+    if size == T:
+        size += escapes[e]
+        e += 1
+    negative = (s & 1) ^ was_down
+    k = ko + (size ^ -negative) + negative
+    out[i] = k ^ (0x8000 | ((-(1 - (k >> 15))) & 0x7FFF))
+    return x, wp, e
+
+
+@_jit
+def _decode_bits(out, moved, down, changed, lut, slots, words, escapes):
+    """As _decode, with the previous step kept as two bitmaps (moved, moved down: 2 bits per
+    element) instead of the tensor before: context = class and moved-or-not."""
+    x0 = np.uint64(words[0]) | (np.uint64(words[1]) << np.uint64(16))
+    x1 = np.uint64(words[2]) | (np.uint64(words[3]) << np.uint64(16))
+    wp = 4
+    last = words.size - 1
+    e = 0
+    n = changed.size
+    j = 0
+    while j + 1 < n:
+        x0, wp, e = _one_bits(out, moved, down, changed[j], lut, slots, words, wp, last, x0, escapes, e)
+        x1, wp, e = _one_bits(out, moved, down, changed[j + 1], lut, slots, words, wp, last, x1, escapes, e)
+        j += 2
+    if j < n:
+        x0, wp, e = _one_bits(out, moved, down, changed[j], lut, slots, words, wp, last, x0, escapes, e)
+    return wp
+
+
+def _bitmap(flags: np.ndarray) -> np.ndarray:
+    padded = np.zeros(-(-flags.size // 64) * 64, np.uint8)
+    padded[:flags.size] = flags
+    return np.packbits(padded, bitorder="little").view(np.uint64)
+
+
+def _plan(ctx_class: np.ndarray, state: np.ndarray, sym: np.ndarray, n_classes: int, n_states: int):
+    counts = np.zeros((n_classes * n_states, SYMBOLS), np.int64)
+    np.add.at(counts, (ctx_class * n_states + state, sym), 1)
+    used = counts.sum(1) > 0
+    freqs = np.zeros_like(counts)
+    freqs[used] = np.array([_quantize(c) for c in counts[used]])
+    table_bytes = sum(SYMBOLS // 8 + sum(_varint_len(f) for f in row if f) for row in freqs[used])
+    ideal = float((counts[counts > 0] * np.log2(SCALE / freqs[counts > 0])).sum()) / 8
+    return freqs, table_bytes + ideal
+
+
+STATE_MAPS = {1: np.array([0, 0, 0, 0]), 2: np.array([0, 1, 1, 1]), 4: np.array([0, 1, 2, 3])}
+
+
+def code_values(u: np.ndarray, v: np.ndarray, w: np.ndarray, classes: list[tuple[int, int]], state: str) -> dict:
+    """Code, decode and time one tensor's values (u, v, w: old, new and before-old BF16 bits).
+    ``state``: what the decoder keeps of the previous step, "before" (the tensor before the old
+    one: contexts by |previous step| 0-3) or "bits" (2 bits per element: moved, moved down)."""
+    ku, kv, kw = (_keys(x.astype(np.int64)) for x in (u, v, w))
+    changed = np.flatnonzero(kv != ku)
+    step, prev = (kv - ku)[changed], (ku - kw)[changed]
+    lut = np.full(256, -1, np.int64)
+    for c, (lo, hi) in enumerate(classes):
+        lut[lo:hi + 1] = c
+    klass = lut[(u[changed].astype(np.int64) >> 7) & 0xFF]
+    assert klass.min() >= 0
+    size = np.abs(step)
+    negative = (step < 0).astype(np.int64) ^ (prev < 0)
+    sym = (np.minimum(size, T) - 1) * 2 + negative
+    esc = size[size >= T] - T
+    esc_bits = sum(6 + int(e).bit_length() for e in esc)
+    capped = np.minimum(np.abs(prev), 3)
+    best = None
+    for n_states, smap in STATE_MAPS.items():
+        if state == "bits" and n_states == 4:
+            continue
+        freqs, est = _plan(klass, smap[capped], sym, len(classes), n_states)
+        if best is None or est < best[2]:
+            best = (n_states, freqs, est, smap)
+    n_states, freqs, _, smap = best
+    ctx = klass * n_states + smap[capped]
+    out = np.empty(2 * changed.size + 16, np.uint16)
+    nw = _encode(ctx, sym, freqs, out)
+    words = out[out.size - nw:].copy()
+    table_bytes = sum(SYMBOLS // 8 + sum(_varint_len(f) for f in row if f) for row in freqs if row.any())
+    nbytes = 1 + table_bytes + 2 * nw + (esc_bits + 7) // 8
+    slots = np.zeros((freqs.shape[0], SCALE), np.uint32)
+    for c, row in enumerate(freqs):
+        t = 0
+        for s, f in enumerate(row):
+            for r in range(f):
+                slots[c, t + r] = s | (r << 6) | (int(f) << 18)
+            t += f
+    states = (smap * 1).astype(np.int64)
+    class_lut = np.where(lut >= 0, lut * n_states, 0)
+    target = u.astype(np.uint16)
+    before = w.astype(np.uint16)
+    moved, down = _bitmap(kw != ku), _bitmap(ku < kw)
+    if n_states == 1:  # no context but the previous sign: every element reads as "did not move"
+        moved = np.zeros_like(moved)
+    seconds = []
+    for _ in range(3):
+        out_bits = target.copy()
+        t0 = time.perf_counter()
+        if state == "before":
+            _decode(out_bits, before, changed, class_lut, states, slots, words, esc.astype(np.int64))
+        else:
+            _decode_bits(out_bits, moved, down, changed, class_lut, slots, words, esc.astype(np.int64))
+        seconds.append(time.perf_counter() - t0)
+    assert np.array_equal(out_bits, v.astype(np.uint16)), "values prototype is not bit-exact"
+    return {"bytes": nbytes, "seconds": min(seconds), "states": n_states}
+
+
+def v2_value_bytes(u: np.ndarray, v: np.ndarray, shape: tuple[int, ...]) -> tuple[int, int, float]:
+    """(v2 payload bytes, of them on values, v2 decode seconds) for one tensor."""
+    full = codec_v2.encode_delta(u.view(np.uint8), v.view(np.uint8), "BF16", shape)
+    ku, kv = _keys(u.astype(np.int64)), _keys(v.astype(np.int64))
+    plus_one = np.where(kv != ku, ku + 1, ku)
+    ones = np.where(plus_one & 0x8000, plus_one ^ 0x8000, 0xFFFF - plus_one).astype(np.uint16)
+    bare = codec_v2.encode_delta(u.view(np.uint8), ones.view(np.uint8), "BF16", shape)
+    out = np.empty_like(u)
+    seconds = []
+    for _ in range(3):
+        out[:] = u
+        t0 = time.perf_counter()
+        codec_v2.decode_into(out.view(np.uint8), full, "BF16")
+        seconds.append(time.perf_counter() - t0)
+    n_changed = int((kv != ku).sum())
+    return len(full), len(full) - len(bare) + (n_changed + 7) // 8, min(seconds)
+
+
+def measure(checkpoints: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Totals over every bf16 tensor of every pair that has a previous pair."""
+    out = {"v2_payload": 0, "v2_values": 0, "elements": 0, "v2_seconds": 0.0}
+    for state in ("before", "bits"):
+        out[state], out[state + "_seconds"] = 0, 0.0
+    for before, old, new in zip(checkpoints, checkpoints[1:], checkpoints[2:]):
+        for name, tensor in old.items():
+            if tensor.dtype != torch.bfloat16:
+                continue
+            u, v, w = (t[name].view(torch.int16).numpy().view(np.uint16).ravel() for t in (old, new, before))
+            if np.array_equal(u, v):
+                continue
+            payload = codec_v2.encode_delta(u.view(np.uint8), v.view(np.uint8), "BF16", tuple(tensor.shape))
+            if payload[4] != 1:  # not a ULP payload (a full one was smaller)
+                continue
+            size, values, v2_seconds = v2_value_bytes(u, v, tuple(tensor.shape))
+            out["v2_payload"] += size
+            out["v2_values"] += values
+            out["elements"] += u.size
+            out["v2_seconds"] += v2_seconds
+            for state in ("before", "bits"):
+                r = code_values(u, v, w, v2_classes(payload), state)
+                out[state] += min(r["bytes"], values)  # a tensor keeps v2's values where they are smaller
+                out[state + "_seconds"] += r["seconds"]
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--corpus", nargs="+", choices=sorted(CORPORA), default=["llama", "qwen2"])
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps (= checkpoint pairs) per lr")
+    args = parser.parse_args(argv)
+    print(f"pairs 2-{args.steps}; bytes over all bf16 ULP tensors; ns per element, one thread")
+    print(f"{'corpus':<7} {'lr':>7} {'v2 payload':>11} {'v2 values':>10} {'v2 decode':>10}   "
+          f"then, keeping the tensor before / 2 bits per element: values, payload, values decode")
+    for name in args.corpus:
+        config, lrs = CORPORA[name]
+        for lr, checkpoints in rl_checkpoints(lrs, args.steps, config).items():
+            r = measure(checkpoints)
+            line = (f"{name:<7} {lr:>7g} {r['v2_payload']:>11,} {r['v2_values']:>10,} "
+                    f"{1e9 * r['v2_seconds'] / r['elements']:>10.2f}")
+            for state in ("before", "bits"):
+                ratio = (r["v2_payload"] - r["v2_values"] + r[state]) / r["v2_payload"]
+                line += f"   {r[state]:>10,} {ratio:.3f}x {1e9 * r[state + '_seconds'] / r['elements']:.2f}"
+            print(line)
+
+
+if __name__ == "__main__":
+    main()
