@@ -131,14 +131,18 @@ def _encode(ctx, sym, freqs, out):
     return out.size - w
 
 
-@nb.njit(inline="always", nogil=True)
-def _one(out, before, i, lut, states, slots, words, wp, last, x, escapes, e):
-    o = np.int64(out[i])
-    b = np.int64(before[i])
-    ko = o ^ (0x8000 | ((-(o >> 15)) & 0x7FFF))
-    kb = b ^ (0x8000 | ((-(b >> 15)) & 0x7FFF))
-    prev = ko - kb
-    ctx = lut[(o >> 7) & 0xFF] + states[min(abs(prev), 3)]
+_inline = nb.njit(inline="always", nogil=True)
+
+
+@_inline
+def _key(bits):
+    return bits ^ (0x8000 | ((-(bits >> 15)) & 0x7FFF))
+
+
+@_inline
+def _step(out, i, ko, ctx, down, slots, words, wp, last, x, escapes, e):
+    """Decode change i's symbol with context ctx from state x and write out[i]; ``down``: the
+    previous step went down (the sign is coded relative to it)."""
     v = np.uint64(slots[ctx, x & np.uint64(SCALE - 1)])
     s = np.int64(v & np.uint64(63))
     x = (v >> np.uint64(18)) * (x >> np.uint64(SCALE_BITS)) + ((v >> np.uint64(6)) & np.uint64(SCALE - 1))
@@ -150,77 +154,56 @@ def _one(out, before, i, lut, states, slots, words, wp, last, x, escapes, e):
     if size == T:
         size += escapes[e]
         e += 1
-    negative = (s & 1) ^ (1 if prev < 0 else 0)
+    negative = (s & 1) ^ down
     k = ko + (size ^ -negative) + negative
     out[i] = k ^ (0x8000 | ((-(1 - (k >> 15))) & 0x7FFF))
     return x, wp, e
 
 
-@_jit
-def _decode(out, before, changed, lut, states, slots, words, escapes):
-    """In place: out holds the old elements (BF16 bits); rewrite the changed ones. ``lut`` maps
-    an exponent to its class's first context, ``states`` the previous step's |step| (capped at
-    3) to a context offset; ``slots`` packs per context and slot: symbol, slot - cum, frequency.
-    Changes alternate between two rANS states, so two decode chains run at once."""
-    x0 = np.uint64(words[0]) | (np.uint64(words[1]) << np.uint64(16))
-    x1 = np.uint64(words[2]) | (np.uint64(words[3]) << np.uint64(16))
-    wp = 4
-    last = words.size - 1
-    e = 0
-    n = changed.size
-    j = 0
-    while j + 1 < n:
-        x0, wp, e = _one(out, before, changed[j], lut, states, slots, words, wp, last, x0, escapes, e)
-        x1, wp, e = _one(out, before, changed[j + 1], lut, states, slots, words, wp, last, x1, escapes, e)
-        j += 2
-    if j < n:
-        x0, wp, e = _one(out, before, changed[j], lut, states, slots, words, wp, last, x0, escapes, e)
-    return wp
-
-
-@nb.njit(inline="always", nogil=True)
-def _one_bits(out, moved, down, i, lut, slots, words, wp, last, x, escapes, e):
+@_inline
+def _from_before(out, before, i, lut, states, slots, words, wp, last, x, escapes, e):
     o = np.int64(out[i])
-    w = i >> 6
-    bit = np.uint64(i & 63)
-    had = np.int64((moved[w] >> bit) & np.uint64(1))
-    was_down = np.int64((down[w] >> bit) & np.uint64(1))
-    ko = o ^ (0x8000 | ((-(o >> 15)) & 0x7FFF))
-    ctx = lut[(o >> 7) & 0xFF] + had
-    v = np.uint64(slots[ctx, x & np.uint64(SCALE - 1)])
-    s = np.int64(v & np.uint64(63))
-    x = (v >> np.uint64(18)) * (x >> np.uint64(SCALE_BITS)) + ((v >> np.uint64(6)) & np.uint64(SCALE - 1))
-    need = x < RANS_L
-    nxt = np.uint64(words[min(wp, last)])
-    x = (x << np.uint64(16)) | nxt if need else x
-    wp += np.int64(need)
-    size = (s >> 1) + 1
-    if size == T:
-        size += escapes[e]
-        e += 1
-    negative = (s & 1) ^ was_down
-    k = ko + (size ^ -negative) + negative
-    out[i] = k ^ (0x8000 | ((-(1 - (k >> 15))) & 0x7FFF))
-    return x, wp, e
+    ko = _key(o)
+    prev = ko - _key(np.int64(before[i]))
+    ctx = lut[(o >> 7) & 0xFF] + states[min(abs(prev), 3)]
+    return _step(out, i, ko, ctx, np.int64(prev < 0), slots, words, wp, last, x, escapes, e)
+
+
+@_inline
+def _from_bits(out, moved, down, i, lut, slots, words, wp, last, x, escapes, e):
+    o = np.int64(out[i])
+    w, bit = i >> 6, np.uint64(i & 63)
+    ctx = lut[(o >> 7) & 0xFF] + np.int64((moved[w] >> bit) & np.uint64(1))
+    return _step(out, i, _key(o), ctx, np.int64((down[w] >> bit) & np.uint64(1)), slots, words, wp, last, x,
+                 escapes, e)
+
+
+@_inline
+def _at(out, before, moved, down, i, lut, states, slots, words, wp, last, x, escapes, e):
+    if before.size:
+        return _from_before(out, before, i, lut, states, slots, words, wp, last, x, escapes, e)
+    return _from_bits(out, moved, down, i, lut, slots, words, wp, last, x, escapes, e)
 
 
 @_jit
-def _decode_bits(out, moved, down, changed, lut, slots, words, escapes):
-    """As _decode, with the previous step kept as two bitmaps (moved, moved down: 2 bits per
-    element) instead of the tensor before: context = class and moved-or-not."""
+def _decode(out, before, moved, down, changed, lut, states, slots, words, escapes):
+    """In place: out holds the old elements (BF16 bits); rewrite the changed ones, in element
+    order. The previous step comes from ``before`` (the tensor before the old one; context: class
+    and |previous step| through ``states``) or, when before is empty, from the bitmaps ``moved``
+    and ``down`` (context: class and moved-or-not). ``lut`` maps an exponent to its class's first
+    context; ``slots`` packs per context and slot: symbol, slot - cum, frequency. Changes
+    alternate between two rANS states, so two decode chains run at once."""
     x0 = np.uint64(words[0]) | (np.uint64(words[1]) << np.uint64(16))
     x1 = np.uint64(words[2]) | (np.uint64(words[3]) << np.uint64(16))
-    wp = 4
-    last = words.size - 1
-    e = 0
+    wp, last, e = 4, words.size - 1, 0
     n = changed.size
     j = 0
-    while j + 1 < n:
-        x0, wp, e = _one_bits(out, moved, down, changed[j], lut, slots, words, wp, last, x0, escapes, e)
-        x1, wp, e = _one_bits(out, moved, down, changed[j + 1], lut, slots, words, wp, last, x1, escapes, e)
+    while j < n:  # two changes per turn, one per state: no select between the chains
+        x0, wp, e = _at(out, before, moved, down, changed[j], lut, states, slots, words, wp, last, x0, escapes, e)
+        if j + 1 < n:
+            x1, wp, e = _at(out, before, moved, down, changed[j + 1], lut, states, slots, words, wp, last, x1,
+                            escapes, e)
         j += 2
-    if j < n:
-        x0, wp, e = _one_bits(out, moved, down, changed[j], lut, slots, words, wp, last, x0, escapes, e)
     return wp
 
 
@@ -230,15 +213,20 @@ def _bitmap(flags: np.ndarray) -> np.ndarray:
     return np.packbits(padded, bitorder="little").view(np.uint64)
 
 
+def _table_bytes(freqs: np.ndarray) -> int:
+    """A table per used context: a bitmap of its symbols, then their frequencies as varints."""
+    return sum(SYMBOLS // 8 + sum(_varint_len(f) for f in row if f) for row in freqs if row.any())
+
+
 def _plan(ctx_class: np.ndarray, state: np.ndarray, sym: np.ndarray, n_classes: int, n_states: int):
+    """(tables, estimated bytes) for one choice of context."""
     counts = np.zeros((n_classes * n_states, SYMBOLS), np.int64)
     np.add.at(counts, (ctx_class * n_states + state, sym), 1)
     used = counts.sum(1) > 0
     freqs = np.zeros_like(counts)
     freqs[used] = np.array([_quantize(c) for c in counts[used]])
-    table_bytes = sum(SYMBOLS // 8 + sum(_varint_len(f) for f in row if f) for row in freqs[used])
     ideal = float((counts[counts > 0] * np.log2(SCALE / freqs[counts > 0])).sum()) / 8
-    return freqs, table_bytes + ideal
+    return freqs, _table_bytes(freqs) + ideal
 
 
 STATE_MAPS = {1: np.array([0, 0, 0, 0]), 2: np.array([0, 1, 1, 1]), 4: np.array([0, 1, 2, 3])}
@@ -274,8 +262,7 @@ def code_values(u: np.ndarray, v: np.ndarray, w: np.ndarray, classes: list[tuple
     out = np.empty(2 * changed.size + 16, np.uint16)
     nw = _encode(ctx, sym, freqs, out)
     words = out[out.size - nw:].copy()
-    table_bytes = sum(SYMBOLS // 8 + sum(_varint_len(f) for f in row if f) for row in freqs if row.any())
-    nbytes = 1 + table_bytes + 2 * nw + (esc_bits + 7) // 8
+    nbytes = 1 + _table_bytes(freqs) + 2 * nw + (esc_bits + 7) // 8
     slots = np.zeros((freqs.shape[0], SCALE), np.uint32)
     for c, row in enumerate(freqs):
         t = 0
@@ -283,7 +270,6 @@ def code_values(u: np.ndarray, v: np.ndarray, w: np.ndarray, classes: list[tuple
             for r in range(f):
                 slots[c, t + r] = s | (r << 6) | (int(f) << 18)
             t += f
-    states = (smap * 1).astype(np.int64)
     class_lut = np.where(lut >= 0, lut * n_states, 0)
     target = u.astype(np.uint16)
     before = w.astype(np.uint16)
@@ -294,18 +280,15 @@ def code_values(u: np.ndarray, v: np.ndarray, w: np.ndarray, classes: list[tuple
     for _ in range(3):
         out_bits = target.copy()
         t0 = time.perf_counter()
-        if state == "before":
-            _decode(out_bits, before, changed, class_lut, states, slots, words, esc.astype(np.int64))
-        else:
-            _decode_bits(out_bits, moved, down, changed, class_lut, slots, words, esc.astype(np.int64))
+        _decode(out_bits, before if state == "before" else before[:0], moved, down, changed, class_lut,
+                smap.astype(np.int64), slots, words, esc.astype(np.int64))
         seconds.append(time.perf_counter() - t0)
     assert np.array_equal(out_bits, v.astype(np.uint16)), "values prototype is not bit-exact"
     return {"bytes": nbytes, "seconds": min(seconds), "states": n_states}
 
 
-def v2_value_bytes(u: np.ndarray, v: np.ndarray, shape: tuple[int, ...]) -> tuple[int, int, float]:
-    """(v2 payload bytes, of them on values, v2 decode seconds) for one tensor."""
-    full = codec_v2.encode_delta(u.view(np.uint8), v.view(np.uint8), "BF16", shape)
+def v2_value_bytes(u: np.ndarray, v: np.ndarray, shape: tuple[int, ...], full: bytes) -> tuple[int, float]:
+    """(bytes v2's payload ``full`` spends on values, its decode seconds) for one tensor."""
     ku, kv = _keys(u.astype(np.int64)), _keys(v.astype(np.int64))
     plus_one = np.where(kv != ku, ku + 1, ku)
     ones = np.where(plus_one & 0x8000, plus_one ^ 0x8000, 0xFFFF - plus_one).astype(np.uint16)
@@ -318,7 +301,7 @@ def v2_value_bytes(u: np.ndarray, v: np.ndarray, shape: tuple[int, ...]) -> tupl
         codec_v2.decode_into(out.view(np.uint8), full, "BF16")
         seconds.append(time.perf_counter() - t0)
     n_changed = int((kv != ku).sum())
-    return len(full), len(full) - len(bare) + (n_changed + 7) // 8, min(seconds)
+    return len(full) - len(bare) + (n_changed + 7) // 8, min(seconds)
 
 
 def measure(checkpoints: list[dict[str, torch.Tensor]]) -> dict[str, float]:
@@ -336,8 +319,8 @@ def measure(checkpoints: list[dict[str, torch.Tensor]]) -> dict[str, float]:
             payload = codec_v2.encode_delta(u.view(np.uint8), v.view(np.uint8), "BF16", tuple(tensor.shape))
             if payload[4] != 1:  # not a ULP payload (a full one was smaller)
                 continue
-            size, values, v2_seconds = v2_value_bytes(u, v, tuple(tensor.shape))
-            out["v2_payload"] += size
+            values, v2_seconds = v2_value_bytes(u, v, tuple(tensor.shape), payload)
+            out["v2_payload"] += len(payload)
             out["v2_values"] += values
             out["elements"] += u.size
             out["v2_seconds"] += v2_seconds
