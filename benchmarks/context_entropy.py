@@ -9,6 +9,7 @@ rate per exponent class, 5 bytes per class record):
 
 * ``rows``: each matrix's rows in 2, 4 or 8 groups by their change rate (where that pays; 3 bits
   per row to name the group), one rate per exponent class and group;
+* ``columns``: the same with each matrix's columns (3 bits per column);
 * ``previous``: one rate per exponent class and "changed in the previous step";
 * ``both``: exponent class x row group x changed-before;
 * ``signs``: the sign of a change whose element also changed in the previous step, coded as
@@ -64,19 +65,23 @@ def _ordered_key(bits: np.ndarray) -> np.ndarray:
     return np.where(bits & 0x8000, 0xFFFF - bits, bits | 0x8000)
 
 
-def _row_groups(exp: np.ndarray, changed: np.ndarray, shape: tuple[int, ...]) -> tuple[np.ndarray, int, float]:
-    """(group of every element, number of groups, side bits) of the cheapest row grouping."""
+def _row_groups(exp: np.ndarray, changed: np.ndarray, shape: tuple[int, ...],
+                axis: int = 1) -> tuple[np.ndarray, int, float]:
+    """(group of every element, number of groups, side bits) of the cheapest grouping of a
+    matrix's rows (``axis`` 1: a row's rate is summed over its columns) or of its columns
+    (``axis`` 0)."""
     best = (np.zeros(exp.size, np.int64), 1, 0.0)
     if len(shape) != 2 or shape[1] < 256:
         return best
-    rows, cols = shape
+    lines = shape[1 - axis]
     rate = np.bincount(exp, weights=changed, minlength=256) / np.maximum(np.bincount(exp, minlength=256), 1)
-    ratio = changed.reshape(shape).sum(1) / np.maximum(rate[exp].reshape(shape).sum(1), 1e-9)
+    ratio = changed.reshape(shape).sum(axis) / np.maximum(rate[exp].reshape(shape).sum(axis), 1e-9)
     best_bits = _class_bits(exp, changed)
     for g in GROUPS:
         cuts = np.quantile(ratio, np.linspace(0, 1, g + 1)[1:-1])
-        group = np.repeat(np.searchsorted(cuts, ratio, side="right"), cols)
-        side = rows * np.log2(g)
+        line_group = np.searchsorted(cuts, ratio, side="right")
+        group = np.repeat(line_group, shape[1]) if axis == 1 else np.tile(line_group, shape[0])
+        side = lines * np.log2(g)
         bits = _class_bits(exp * g + group, changed) + side
         if bits < best_bits:
             best, best_bits = (group, g, side), bits
@@ -85,7 +90,8 @@ def _row_groups(exp: np.ndarray, changed: np.ndarray, shape: tuple[int, ...]) ->
 
 def measure(checkpoints: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     """Savings of each context, in bits, and the v2 payload bits they compare with."""
-    out = {"v2_payload": 0.0, "rows": 0.0, "previous": 0.0, "both": 0.0, "signs": 0.0, "values": 0.0}
+    out = {"v2_payload": 0.0, "rows": 0.0, "columns": 0.0, "previous": 0.0, "both": 0.0, "signs": 0.0,
+           "values": 0.0}
     for before, old, new in zip(checkpoints, checkpoints[1:], checkpoints[2:]):
         for name, tensor in old.items():
             if tensor.dtype != torch.bfloat16:
@@ -102,6 +108,8 @@ def measure(checkpoints: list[dict[str, torch.Tensor]]) -> dict[str, float]:
             base = _class_bits(exp, changed)
             group, g, side = _row_groups(exp, changed, tuple(tensor.shape))
             out["rows"] += base - _class_bits(exp * g + group, changed) - side
+            col_group, cg, col_side = _row_groups(exp, changed, tuple(tensor.shape), axis=0)
+            out["columns"] += base - _class_bits(exp * cg + col_group, changed) - col_side
             out["previous"] += base - _class_bits(exp * 2 + changed_before, changed)
             out["both"] += base - _class_bits((exp * g + group) * 2 + changed_before, changed) - side
             again = changed & (changed_before == 1)
@@ -124,14 +132,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps (= checkpoint pairs) per lr")
     args = parser.parse_args(argv)
     print(f"{'corpus':<7} {'lr':>7}  saving as % of the v2 payload (pairs 2-{args.steps})")
-    print(f"{'':<7} {'':>7}  {'rows':>6} {'previous':>9} {'both':>6} {'signs':>6} {'both+signs':>11} {'values':>7} "
+    print(f"{'':<7} {'':>7}  {'rows':>6} {'columns':>8} {'previous':>9} {'both':>6} {'signs':>6} {'both+signs':>11} {'values':>7} "
           f"{'both+values':>12}")
     for name in args.corpus:
         config, lrs = CORPORA[name]
         for lr, checkpoints in rl_checkpoints(lrs, args.steps, config).items():
             r = measure(checkpoints)
             pct = {k: 100 * v / r["v2_payload"] for k, v in r.items() if k != "v2_payload"}
-            print(f"{name:<7} {lr:>7g}  {pct['rows']:>6.2f} {pct['previous']:>9.2f} {pct['both']:>6.2f} "
+            print(f"{name:<7} {lr:>7g}  {pct['rows']:>6.2f} {pct['columns']:>8.2f} {pct['previous']:>9.2f} {pct['both']:>6.2f} "
                   f"{pct['signs']:>6.2f} {pct['both'] + pct['signs']:>11.2f} {pct['values']:>7.2f} "
                   f"{pct['both'] + pct['values']:>12.2f}")
 

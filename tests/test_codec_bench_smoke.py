@@ -97,6 +97,12 @@ def test_the_context_study_groups_rows_only_where_it_pays() -> None:
     assert grouped < 0.8 * context_entropy._class_bits(exp, mixed)
     uniform = rng.random(exp.size) < 0.05
     assert context_entropy._row_groups(exp, uniform, shape)[1] == 1
+    # the same rates by column: grouped as columns, not as rows
+    by_column = np.tile(np.where(np.arange(shape[1]) % 2 == 0, 0.3, 0.01), shape[0])
+    mixed = rng.random(exp.size) < by_column
+    group, g, side = context_entropy._row_groups(exp, mixed, shape, axis=0)
+    assert g > 1 and side == shape[1] * np.log2(g) and np.array_equal(group[:shape[1]], group[shape[1]:2 * shape[1]])
+    assert context_entropy._row_groups(exp, mixed, shape)[1] == 1
 
 
 def test_the_context_study_credits_values_only_when_the_previous_step_tells_something() -> None:
