@@ -56,7 +56,7 @@ import numpy as np
 import torch
 import zstandard
 
-from benchmarks.rl_corpus import CORPORA, StateDict, rl_checkpoints  # noqa: E402
+from benchmarks.rl_corpus import CORPORA, StateDict, add_corpus_arguments, rl_checkpoints  # noqa: E402
 from delta_swap import codec  # noqa: E402
 from delta_swap.checksum import checksum  # noqa: E402
 
@@ -456,8 +456,7 @@ def _print_table(corpus: str, results: dict[float, dict[str, Any]], repeats: int
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--corpus", nargs="+", choices=sorted(CORPORA), default=["llama", "qwen2"])
-    parser.add_argument("--steps", type=int, default=4, help="optimizer steps (= checkpoint pairs) per lr")
+    add_corpus_arguments(parser)
     parser.add_argument("--lrs", type=float, nargs="+", help="default: each corpus's own learning rates")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(DEFAULT_METHODS))
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per call; best kept")

@@ -31,8 +31,8 @@ import argparse
 import numpy as np
 import torch
 
-from benchmarks.rl_corpus import CORPORA, rl_checkpoints
-from delta_swap import codec_v2
+from benchmarks.rl_corpus import add_corpus_arguments, changed_bf16_triples, corpus_runs
+from delta_swap import codec_v1, codec_v2
 
 RECORD_BITS = 40  # one class record in a v2 payload, about 5 bytes
 TABLE_ENTRY_BITS = 12  # one quantised frequency of a rANS table
@@ -61,8 +61,10 @@ def _table_bits(context: np.ndarray, symbol: np.ndarray) -> float:
     return float((count * np.log2(total[ctx] / count)).sum()) + TABLE_ENTRY_BITS * pairs.size
 
 
-def _ordered_key(bits: np.ndarray) -> np.ndarray:
-    return np.where(bits & 0x8000, 0xFFFF - bits, bits | 0x8000)
+def bf16_keys(bits: np.ndarray) -> np.ndarray:
+    """BF16 bits (uint16) as int64 keys in float order (codec v1's ordered key): a difference of
+    two keys is a step in ULPs."""
+    return codec_v1._ordered_key(bits, 16).astype(np.int64)
 
 
 def _row_groups(exp: np.ndarray, changed: np.ndarray, shape: tuple[int, ...],
@@ -92,56 +94,46 @@ def measure(checkpoints: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     """Savings of each context, in bits, and the v2 payload bits they compare with."""
     out = {"v2_payload": 0.0, "rows": 0.0, "columns": 0.0, "previous": 0.0, "both": 0.0, "signs": 0.0,
            "values": 0.0}
-    for before, old, new in zip(checkpoints, checkpoints[1:], checkpoints[2:]):
-        for name, tensor in old.items():
-            if tensor.dtype != torch.bfloat16:
-                continue
-            u, v, w = (t[name].view(torch.int16).numpy().astype(np.int64).ravel() & 0xFFFF for t in (old, new, before))
-            if np.array_equal(u, v):
-                continue
-            payload = codec_v2.encode_delta(u.astype(np.uint16).view(np.uint8), v.astype(np.uint16).view(np.uint8),
-                                            "BF16", tuple(tensor.shape))
-            out["v2_payload"] += 8 * len(payload)
-            step, previous = _ordered_key(v) - _ordered_key(u), _ordered_key(u) - _ordered_key(w)
-            changed, changed_before = step != 0, (previous != 0).astype(np.int64)
-            exp = (u >> 7) & 0xFF
-            base = _class_bits(exp, changed)
-            group, g, side = _row_groups(exp, changed, tuple(tensor.shape))
-            out["rows"] += base - _class_bits(exp * g + group, changed) - side
-            col_group, cg, col_side = _row_groups(exp, changed, tuple(tensor.shape), axis=0)
-            out["columns"] += base - _class_bits(exp * cg + col_group, changed) - col_side
-            out["previous"] += base - _class_bits(exp * 2 + changed_before, changed)
-            out["both"] += base - _class_bits((exp * g + group) * 2 + changed_before, changed) - side
-            again = changed & (changed_before == 1)
-            if again.any():
-                same = np.sign(step[again]) == np.sign(previous[again])
-                out["signs"] += again.sum() - _binary_bits(np.array([same.sum()]), np.array([again.sum()])) - 16
-            step_c, prev_c, exp_c = step[changed], previous[changed], exp[changed]
-            size, negative = np.minimum(np.abs(step_c), MAX_STEP), (step_c < 0).astype(np.int64)
-            relative = negative ^ (prev_c < 0)  # 0: the direction of the previous step (or +, if none)
-            v2_values = _table_bits(exp_c, size) + size.size
-            out["values"] += max(0.0, v2_values - min(  # the cheapest per tensor, as an encoder would choose
-                _table_bits(exp_c * 4 + np.minimum(np.abs(prev_c), 3), size * 2 + relative),
-                _table_bits(exp_c * 2 + (prev_c != 0), size * 2 + relative)))
+    for shape, u, v, w in changed_bf16_triples(checkpoints):
+        payload = codec_v2.encode_delta(u.view(np.uint8), v.view(np.uint8), "BF16", shape)
+        out["v2_payload"] += 8 * len(payload)
+        step, previous = bf16_keys(v) - bf16_keys(u), bf16_keys(u) - bf16_keys(w)
+        changed, changed_before = step != 0, (previous != 0).astype(np.int64)
+        exp = ((u >> 7) & 0xFF).astype(np.int64)
+        base = _class_bits(exp, changed)
+        group, g, side = _row_groups(exp, changed, shape)
+        out["rows"] += base - _class_bits(exp * g + group, changed) - side
+        col_group, cg, col_side = _row_groups(exp, changed, shape, axis=0)
+        out["columns"] += base - _class_bits(exp * cg + col_group, changed) - col_side
+        out["previous"] += base - _class_bits(exp * 2 + changed_before, changed)
+        out["both"] += base - _class_bits((exp * g + group) * 2 + changed_before, changed) - side
+        again = changed & (changed_before == 1)
+        if again.any():
+            same = np.sign(step[again]) == np.sign(previous[again])
+            out["signs"] += again.sum() - _binary_bits(np.array([same.sum()]), np.array([again.sum()])) - 16
+        step_c, prev_c, exp_c = step[changed], previous[changed], exp[changed]
+        size, negative = np.minimum(np.abs(step_c), MAX_STEP), (step_c < 0).astype(np.int64)
+        relative = negative ^ (prev_c < 0)  # 0: the direction of the previous step (or +, if none)
+        v2_values = _table_bits(exp_c, size) + size.size
+        out["values"] += max(0.0, v2_values - min(  # the cheapest per tensor, as an encoder would choose
+            _table_bits(exp_c * 4 + np.minimum(np.abs(prev_c), 3), size * 2 + relative),
+            _table_bits(exp_c * 2 + (prev_c != 0), size * 2 + relative)))
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--corpus", nargs="+", choices=sorted(CORPORA), default=["llama", "qwen2"])
-    parser.add_argument("--steps", type=int, default=4, help="optimizer steps (= checkpoint pairs) per lr")
+    add_corpus_arguments(parser)
     args = parser.parse_args(argv)
     print(f"{'corpus':<7} {'lr':>7}  saving as % of the v2 payload (pairs 2-{args.steps})")
     print(f"{'':<7} {'':>7}  {'rows':>6} {'columns':>8} {'previous':>9} {'both':>6} {'signs':>6} {'both+signs':>11} {'values':>7} "
           f"{'both+values':>12}")
-    for name in args.corpus:
-        config, lrs = CORPORA[name]
-        for lr, checkpoints in rl_checkpoints(lrs, args.steps, config).items():
-            r = measure(checkpoints)
-            pct = {k: 100 * v / r["v2_payload"] for k, v in r.items() if k != "v2_payload"}
-            print(f"{name:<7} {lr:>7g}  {pct['rows']:>6.2f} {pct['columns']:>8.2f} {pct['previous']:>9.2f} {pct['both']:>6.2f} "
-                  f"{pct['signs']:>6.2f} {pct['both'] + pct['signs']:>11.2f} {pct['values']:>7.2f} "
-                  f"{pct['both'] + pct['values']:>12.2f}")
+    for name, lr, checkpoints in corpus_runs(args.corpus, args.steps):
+        r = measure(checkpoints)
+        pct = {k: 100 * v / r["v2_payload"] for k, v in r.items() if k != "v2_payload"}
+        print(f"{name:<7} {lr:>7g}  {pct['rows']:>6.2f} {pct['columns']:>8.2f} {pct['previous']:>9.2f} {pct['both']:>6.2f} "
+              f"{pct['signs']:>6.2f} {pct['both'] + pct['signs']:>11.2f} {pct['values']:>7.2f} "
+              f"{pct['both'] + pct['values']:>12.2f}")
 
 
 if __name__ == "__main__":

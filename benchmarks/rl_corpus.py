@@ -15,14 +15,17 @@ parameters, so reruns only read safetensors files. No network access is needed.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import json
 import os
 import sys
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -207,6 +210,33 @@ def rl_checkpoints(
 ) -> dict[float, list[StateDict]]:
     """Per lr, ``steps + 1`` consecutive bf16 state dicts (built on first use, then read from the cache)."""
     return {lr: [load_file(p) for p in paths] for lr, paths in build_corpus(lrs, steps, config).items()}
+
+
+def add_corpus_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--corpus`` and ``--steps``, as every benchmark over these corpora takes them."""
+    parser.add_argument("--corpus", nargs="+", choices=sorted(CORPORA), default=["llama", "qwen2"])
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps (= checkpoint pairs) per lr")
+
+
+def corpus_runs(names: list[str], steps: int) -> Iterator[tuple[str, float, list[StateDict]]]:
+    """(corpus, lr, checkpoints) for every learning rate of every named corpus."""
+    for name in names:
+        config, lrs = CORPORA[name]
+        for lr, checkpoints in rl_checkpoints(lrs, steps, config).items():
+            yield name, lr, checkpoints
+
+
+def changed_bf16_triples(checkpoints: list[StateDict]) -> Iterator[tuple[tuple[int, ...], np.ndarray, np.ndarray,
+                                                                         np.ndarray]]:
+    """For every checkpoint pair that has a previous one, every bf16 tensor that changed:
+    (shape, old, new, before) as flat uint16 arrays of bits (before: the checkpoint before old)."""
+    for before, old, new in zip(checkpoints, checkpoints[1:], checkpoints[2:]):
+        for name, tensor in old.items():
+            if tensor.dtype != torch.bfloat16:
+                continue
+            u, v, w = (t[name].view(torch.int16).numpy().view(np.uint16).ravel() for t in (old, new, before))
+            if not np.array_equal(u, v):
+                yield tuple(tensor.shape), u, v, w
 
 
 if __name__ == "__main__":

@@ -35,8 +35,9 @@ import numba as nb
 import numpy as np
 import torch
 
-from benchmarks.rl_corpus import CORPORA, rl_checkpoints
-from delta_swap import codec_v2
+from benchmarks.context_entropy import bf16_keys
+from benchmarks.rl_corpus import add_corpus_arguments, changed_bf16_triples, corpus_runs
+from delta_swap import codec_v1, codec_v2
 
 T = 16  # |step| 1..T-1 literal, T and above escape
 SYMBOLS = 2 * T
@@ -46,53 +47,30 @@ RANS_L = 1 << 16
 _jit = nb.njit(cache=True, nogil=True)
 
 
-def _keys(bits: np.ndarray) -> np.ndarray:
-    return np.where(bits & 0x8000, 0xFFFF - bits, bits | 0x8000)
-
-
-def _varint_len(x: int) -> int:
-    return max(1, (int(x).bit_length() + 6) // 7)
-
-
 def v2_classes(payload: bytes) -> list[tuple[int, int]]:
     """The [lo, hi] exponent ranges of a v2 ULP payload's classes (docs/FORMAT.md)."""
-    p = memoryview(payload)
+    rd = codec_v2._Reader(memoryview(payload))
 
-    def varint(pos: int) -> tuple[int, int]:
-        x = shift = 0
-        while True:
-            b = p[pos]
-            pos, x, shift = pos + 1, x | (b & 127) << shift, shift + 7
-            if b < 128:
-                return x, pos
+    def skip(fields: int) -> None:
+        for _ in range(fields):
+            rd.varint(1 << 63, "field")
 
-    assert bytes(p[:4]) == b"DSC2" and p[4] == 1
-    _, pos = varint(7)  # n_elements
-    _, pos = varint(pos)  # n_changed
-    _, pos = varint(pos)  # row_len
-    row_mode, pos = p[pos], pos + 1
-    if row_mode:
-        _, pos = varint(pos)
-        _, pos = varint(pos)
-    k, pos = varint(pos)
+    assert bytes(rd.take(4, "magic")) == b"DSC2" and rd.u8() == 1
+    rd.take(2, "elem_size and flags")
+    skip(3)  # n_elements, n_changed, row_len
+    if rd.u8():  # row_mode: n_row_events, row_m
+        skip(2)
     classes, hi = [], -1
-    for _ in range(k):
-        lo_delta, pos = varint(pos)
-        span, pos = varint(pos)
-        lo = hi + 1 + lo_delta
-        hi = lo + span
+    for _ in range(rd.varint(1 << 63, "n_classes")):
+        lo = hi + 1 + rd.varint(1 << 63, "lo_delta")
+        hi = lo + rd.varint(1 << 63, "span")
         classes.append((lo, hi))
-        cflags, pos = p[pos], pos + 1
-        _, pos = varint(pos)
-        if cflags & 1:
-            _, pos = varint(pos)
-        _, pos = varint(pos)
+        cflags = rd.u8()
+        skip(3 if cflags & 1 else 2)  # n_events, [n_class_changes], m
         if cflags >> 1 == 1:
-            _, pos = varint(pos)
+            skip(1)  # mag_m
         elif cflags >> 1 == 2:
-            n, pos = varint(pos)
-            for _ in range(n):
-                _, pos = varint(pos)
+            skip(rd.varint(1 << 63, "T"))  # the table's frequencies
     return classes
 
 
@@ -215,7 +193,7 @@ def _bitmap(flags: np.ndarray) -> np.ndarray:
 
 def _table_bytes(freqs: np.ndarray) -> int:
     """A table per used context: a bitmap of its symbols, then their frequencies as varints."""
-    return sum(SYMBOLS // 8 + sum(_varint_len(f) for f in row if f) for row in freqs if row.any())
+    return sum(SYMBOLS // 8 + sum(codec_v2._varint_len(int(f)) for f in row if f) for row in freqs if row.any())
 
 
 def _plan(ctx_class: np.ndarray, state: np.ndarray, sym: np.ndarray, n_classes: int, n_states: int):
@@ -236,7 +214,7 @@ def code_values(u: np.ndarray, v: np.ndarray, w: np.ndarray, classes: list[tuple
     """Code, decode and time one tensor's values (u, v, w: old, new and before-old BF16 bits).
     ``state``: what the decoder keeps of the previous step, "before" (the tensor before the old
     one: contexts by |previous step| 0-3) or "bits" (2 bits per element: moved, moved down)."""
-    ku, kv, kw = (_keys(x.astype(np.int64)) for x in (u, v, w))
+    ku, kv, kw = (bf16_keys(x) for x in (u, v, w))
     changed = np.flatnonzero(kv != ku)
     step, prev = (kv - ku)[changed], (ku - kw)[changed]
     lut = np.full(256, -1, np.int64)
@@ -271,27 +249,24 @@ def code_values(u: np.ndarray, v: np.ndarray, w: np.ndarray, classes: list[tuple
                 slots[c, t + r] = s | (r << 6) | (int(f) << 18)
             t += f
     class_lut = np.where(lut >= 0, lut * n_states, 0)
-    target = u.astype(np.uint16)
-    before = w.astype(np.uint16)
     moved, down = _bitmap(kw != ku), _bitmap(ku < kw)
     if n_states == 1:  # no context but the previous sign: every element reads as "did not move"
         moved = np.zeros_like(moved)
     seconds = []
     for _ in range(3):
-        out_bits = target.copy()
+        out_bits = u.copy()
         t0 = time.perf_counter()
-        _decode(out_bits, before if state == "before" else before[:0], moved, down, changed, class_lut,
+        _decode(out_bits, w if state == "before" else w[:0], moved, down, changed, class_lut,
                 smap.astype(np.int64), slots, words, esc.astype(np.int64))
         seconds.append(time.perf_counter() - t0)
-    assert np.array_equal(out_bits, v.astype(np.uint16)), "values prototype is not bit-exact"
+    assert np.array_equal(out_bits, v), "values prototype is not bit-exact"
     return {"bytes": nbytes, "seconds": min(seconds), "states": n_states}
 
 
 def v2_value_bytes(u: np.ndarray, v: np.ndarray, shape: tuple[int, ...], full: bytes) -> tuple[int, float]:
     """(bytes v2's payload ``full`` spends on values, its decode seconds) for one tensor."""
-    ku, kv = _keys(u.astype(np.int64)), _keys(v.astype(np.int64))
-    plus_one = np.where(kv != ku, ku + 1, ku)
-    ones = np.where(plus_one & 0x8000, plus_one ^ 0x8000, 0xFFFF - plus_one).astype(np.uint16)
+    ku, kv = bf16_keys(u), bf16_keys(v)
+    ones = codec_v1._ordered_unkey(np.where(kv != ku, ku + 1, ku).astype(np.uint16), 16)
     bare = codec_v2.encode_delta(u.view(np.uint8), ones.view(np.uint8), "BF16", shape)
     out = np.empty_like(u)
     seconds = []
@@ -309,47 +284,38 @@ def measure(checkpoints: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     out = {"v2_payload": 0, "v2_values": 0, "elements": 0, "v2_seconds": 0.0}
     for state in ("before", "bits"):
         out[state], out[state + "_seconds"] = 0, 0.0
-    for before, old, new in zip(checkpoints, checkpoints[1:], checkpoints[2:]):
-        for name, tensor in old.items():
-            if tensor.dtype != torch.bfloat16:
-                continue
-            u, v, w = (t[name].view(torch.int16).numpy().view(np.uint16).ravel() for t in (old, new, before))
-            if np.array_equal(u, v):
-                continue
-            payload = codec_v2.encode_delta(u.view(np.uint8), v.view(np.uint8), "BF16", tuple(tensor.shape))
-            if payload[4] != 1:  # not a ULP payload (a full one was smaller)
-                continue
-            values, v2_seconds = v2_value_bytes(u, v, tuple(tensor.shape), payload)
-            out["v2_payload"] += len(payload)
-            out["v2_values"] += values
-            out["elements"] += u.size
-            out["v2_seconds"] += v2_seconds
-            for state in ("before", "bits"):
-                r = code_values(u, v, w, v2_classes(payload), state)
-                out[state] += min(r["bytes"], values)  # a tensor keeps v2's values where they are smaller
-                out[state + "_seconds"] += r["seconds"]
+    for shape, u, v, w in changed_bf16_triples(checkpoints):
+        payload = codec_v2.encode_delta(u.view(np.uint8), v.view(np.uint8), "BF16", shape)
+        if payload[4] != 1:  # not a ULP payload (a full one was smaller)
+            continue
+        values, v2_seconds = v2_value_bytes(u, v, shape, payload)
+        out["v2_payload"] += len(payload)
+        out["v2_values"] += values
+        out["elements"] += u.size
+        out["v2_seconds"] += v2_seconds
+        classes = v2_classes(payload)
+        for state in ("before", "bits"):
+            r = code_values(u, v, w, classes, state)
+            out[state] += min(r["bytes"], values)  # a tensor keeps v2's values where they are smaller
+            out[state + "_seconds"] += r["seconds"]
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--corpus", nargs="+", choices=sorted(CORPORA), default=["llama", "qwen2"])
-    parser.add_argument("--steps", type=int, default=4, help="optimizer steps (= checkpoint pairs) per lr")
+    add_corpus_arguments(parser)
     args = parser.parse_args(argv)
     print(f"pairs 2-{args.steps}; bytes over all bf16 ULP tensors; ns per element, one thread")
     print(f"{'corpus':<7} {'lr':>7} {'v2 payload':>11} {'v2 values':>10} {'v2 decode':>10}   "
           f"then, keeping the tensor before / 2 bits per element: values, payload, values decode")
-    for name in args.corpus:
-        config, lrs = CORPORA[name]
-        for lr, checkpoints in rl_checkpoints(lrs, args.steps, config).items():
-            r = measure(checkpoints)
-            line = (f"{name:<7} {lr:>7g} {r['v2_payload']:>11,} {r['v2_values']:>10,} "
-                    f"{1e9 * r['v2_seconds'] / r['elements']:>10.2f}")
-            for state in ("before", "bits"):
-                ratio = (r["v2_payload"] - r["v2_values"] + r[state]) / r["v2_payload"]
-                line += f"   {r[state]:>10,} {ratio:.3f}x {1e9 * r[state + '_seconds'] / r['elements']:.2f}"
-            print(line)
-
+    for name, lr, checkpoints in corpus_runs(args.corpus, args.steps):
+        r = measure(checkpoints)
+        line = (f"{name:<7} {lr:>7g} {r['v2_payload']:>11,} {r['v2_values']:>10,} "
+                f"{1e9 * r['v2_seconds'] / r['elements']:>10.2f}")
+        for state in ("before", "bits"):
+            ratio = (r["v2_payload"] - r["v2_values"] + r[state]) / r["v2_payload"]
+            line += f"   {r[state]:>10,} {ratio:.3f}x {1e9 * r[state + '_seconds'] / r['elements']:.2f}"
+        print(line)
 
 if __name__ == "__main__":
     main()

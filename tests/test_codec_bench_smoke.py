@@ -112,18 +112,18 @@ def test_the_context_study_credits_values_only_when_the_previous_step_tells_some
     import torch
 
     from benchmarks import context_entropy
+    from delta_swap import codec_v1
 
     rng = np.random.default_rng(1)
     start = torch.randn(256, 512).to(torch.bfloat16)
-    keys = start.view(torch.int16).numpy().astype(np.int64) & 0xFFFF
-    keys = context_entropy._ordered_key(keys)
+    keys = context_entropy.bf16_keys(start.view(torch.int16).numpy().view(np.uint16))
     moving = rng.random(keys.shape) < 0.2
 
     def chain(directions: list[np.ndarray]) -> list[dict[str, torch.Tensor]]:
         out, k = [], keys.copy()
         for d in [np.zeros_like(keys)] + directions:
             k = k + np.where(moving, d, 0)
-            bits = np.where(k & 0x8000, k ^ 0x8000, 0xFFFF - k).astype(np.uint16)
+            bits = codec_v1._ordered_unkey(k.astype(np.uint16), 16)
             out.append({"w": torch.from_numpy(bits.view(np.int16).copy()).view(torch.bfloat16)})
         return out
 
