@@ -10,8 +10,10 @@ per class and in natural order within the class:
 
 * the change positions as Golomb-coded gaps between class ranks (for classes where most elements
   change, the gaps between the *unchanged* ones), one Golomb parameter per class;
-* the value as the signed distance in ordered-integer space (mostly +-1): one raw sign bit, and
-  |step| - 1 either implied (all ones), Golomb-coded, or rANS-coded with a per-class table;
+* the value as the signed distance in ordered-integer space (mostly +-1): one sign bit, and
+  |step| - 1 either implied (all ones), Golomb-coded, or rANS-coded with a per-class table. The
+  sign bits are raw, or, for matrices where it is smaller, "flip" bits against a low-rank
+  prediction of the signs (:mod:`.codec_v2_signs`, header flag 1), rANS-coded eight at a time;
 * optionally the rows (last dimension of the tensor's shape) that do not change at all (embedding
   rows of tokens absent from the batch), as Golomb-coded row gaps, so their elements cost nothing.
 
@@ -77,6 +79,9 @@ import numba as nb  # noqa: E402
 from numba.cpython.unsafe.numbers import trailing_zeros  # noqa: E402
 
 from . import codec_v2_select as select_apply  # noqa: E402
+from . import codec_v2_signs as sign_model  # noqa: E402
+
+FLAG_SIGN_MODEL = sign_model.FLAG_SIGN_MODEL
 
 MAGIC = b"DSC2"
 METHOD_FULL, METHOD_ULP, METHOD_XOR = 0, 1, 2
@@ -93,6 +98,11 @@ SENTINEL = 1 << 62   # gap after a class's last event: never reached
 HIST_BINS = 258      # encoder statistics: |step|-1 histogram 0..256, bin 257 = overflow
 MIN_ROW_LEN = 256    # shorter rows do not pay for their flags
 ZSTD_LEVEL = 3
+#: What a class costs the decoder (a mask pass per 64 elements and its own parse setup), charged
+#: by the encoder's class plan in bits per change of the tensor (so the same share of every
+#: payload): merging small classes makes rebuilds faster for slightly larger payloads
+#: (benchmarks/README.md, "Fewer classes").
+CLASS_COST = 0.025
 
 _jit = nb.njit(cache=True, nogil=True)
 _inline = nb.njit(inline="always", nogil=True)
@@ -359,9 +369,10 @@ def _mag_cost(h, ovf_bits):
 
 
 @_jit
-def _plan_classes(exps, ne, ke, hist, ovf_bits):
+def _plan_classes(exps, ne, ke, hist, ovf_bits, class_bits):
     """Dynamic program over the sorted active exponents: split them into contiguous classes
-    minimising estimated bits. Returns (total bits, start index of the segment ending at j)."""
+    minimising estimated bits, plus ``class_bits`` per class with changes (what a class costs the
+    decoder, in bits' worth). Returns (total bits, start index of the segment ending at j)."""
     E = exps.size
     best = np.full(E + 1, 1e300)
     best[0] = 0.0
@@ -382,7 +393,7 @@ def _plan_classes(exps, ne, ke, hist, ovf_bits):
             else:
                 ev = min(k, n - k)
                 c = _h2bits(n, k) + 0.04 * ev + 8.0 * (4 + _varint_len(ev) + (_varint_len(k) if k > n - k else 0))
-                c += _mag_cost(h, ob) + k  # + sign bits
+                c += _mag_cost(h, ob) + k + class_bits  # + sign bits
             if best[i - 1] + c < best[j]:
                 best[j] = best[i - 1] + c
                 arg[j] = i - 1
@@ -503,6 +514,57 @@ def _rans_encode(vals, val_off, val_cnt, mag_mode, mag_par, freqs, freq_off, out
                 out[w] = np.uint16(x & np.uint64(0xFFFF))
                 x >>= np.uint64(16)
             x = ((x // fs) << np.uint64(SCALE_BITS)) + (x % fs) + np.uint64(cum[s])
+    w -= 1
+    out[w] = np.uint16(x >> np.uint64(16))
+    w -= 1
+    out[w] = np.uint16(x & np.uint64(0xFFFF))
+    return out.size - w
+
+
+FLIP_STREAMS = 4  # the flip bytes are dealt to four rANS streams: byte i goes to stream i % 4
+
+
+@_jit
+def _flip_byte_freqs(f4):
+    """The rANS table of flip bytes (256 symbols, summing to SCALE), from the table of flip
+    nibbles a payload carries: f8[a + 16 b] = max(1, (f4[a] f4[b] + 2048) >> 12), and what that
+    leaves of SCALE added to the first largest entry. Returns it, or an empty array if that entry
+    would drop below 1."""
+    f8 = np.empty(256, np.int64)
+    tot = 0
+    for b in range(16):
+        for a in range(16):
+            f = max(1, (f4[a] * f4[b] + SCALE // 2) >> SCALE_BITS)
+            f8[a + 16 * b] = f
+            tot += f
+    top = 0
+    for i in range(256):
+        if f8[i] > f8[top]:
+            top = i
+    f8[top] += SCALE - tot
+    if f8[top] < 1:
+        return np.zeros(0, np.int64)
+    return f8
+
+
+@_jit
+def _rans_encode_bytes(syms, freqs, out):
+    """Encode byte symbols (flip bits of predicted signs, eight per symbol) as one rANS stream
+    with one table of 256, in reverse; returns the number of uint16 words written at the END of
+    out, as _rans_encode."""
+    x = np.uint64(RANS_L)
+    w = out.size
+    cum = np.zeros(257, np.int64)
+    for s in range(256):
+        cum[s + 1] = cum[s] + freqs[s]
+    for j in range(syms.size - 1, -1, -1):
+        s = syms[j]
+        fs = np.uint64(freqs[s])
+        if x >= (fs << np.uint64(20)):
+            w -= 1
+            out[w] = np.uint16(x & np.uint64(0xFFFF))
+            x >>= np.uint64(16)
+        x = ((x // fs) << np.uint64(SCALE_BITS)) + (x % fs) + np.uint64(cum[s])
     w -= 1
     out[w] = np.uint16(x >> np.uint64(16))
     w -= 1
@@ -698,12 +760,15 @@ def _make_walk(mant_bits: int, bits: int):
     ONE = np.uint64(1)
 
     @_jit
-    def walk(out, lut, D, row_dead, row_len, cnt, evp, ev, vp, vend, vals):
+    def walk(out, lut, D, row_dead, row_len, cnt, evp, ev, vp, vend, vals, table, rc, cc, predict, pred_len):
         """In place: out holds the old elements; changed ones are rewritten. lut, cnt, evp, vp
         and vend are uint64. Sparse classes (id < D) consume exactly one value per event
         (bounded by their sentinel); dense classes (id >= D) consume one per non-event element
-        and are bounds-checked."""
+        and are bounds-checked. With a sign model (``predict``; rows of ``pred_len`` elements,
+        their codes rc, the columns' cc, the prediction ``table``) a value is negated where the
+        model predicts a negative step."""
         n = np.uint64(out.size)
+        pl = np.uint64(max(pred_len, 1))
         step = np.uint64(row_len)
         D = np.uint64(D)
         bad = np.int64(0)
@@ -737,8 +802,13 @@ def _make_walk(mant_bits: int, bits: int):
                     if q >= vend[c]:
                         return -10
                     vp[c] = q + ONE
+                d = vals[q]
+                if predict:
+                    r_ = i // pl
+                    neg = sign_model.predicted_negative(table[rc[r_]], cc[i - r_ * pl])
+                    d = (d ^ -neg) + neg
                 xi = np.int64(x)
-                k = (xi ^ (SIGN | ((-(xi >> SH)) & LOW))) + vals[q]
+                k = (xi ^ (SIGN | ((-(xi >> SH)) & LOW))) + d
                 bad |= k | (FULL - k)
                 out[i] = k ^ (SIGN | ((-(1 - (k >> SH))) & LOW))
                 i += ONE
@@ -751,12 +821,104 @@ _WALKS = {"BF16": _make_walk(7, 16), "F16": _make_walk(10, 16), "F32": _make_wal
 
 
 @_jit
-def _parse_ulp(p, pos, n, exp_bits, max_mag, i64s, u8s, sc):
+def _sign_codes(p, codes_at, width, n_rows, row_len, rc, cc):
+    """Each row's and each column's codes (``width`` = rank * bits bits, LSB first) of a sign
+    model section (docs/FORMAT.md, "Predicted signs"): rc[:n_rows], cc[:row_len]."""
+    _unpack_codes(p, codes_at * 8, width, rc)
+    _unpack_codes(p, (codes_at + (n_rows * width + 7) // 8) * 8, width, cc)
+
+
+@_inline
+def _unpack_codes(p, at, width, out):
+    """out[i] = the ``width``-bit (<= 6) field at bit at + i * width of p (LSB first)."""
+    mask = (1 << width) - 1
+    last = p.size - 1
+    for i in range(out.size):
+        b = at >> 3
+        two = np.int64(p[b]) | (np.int64(p[min(b + 1, last)]) << 8)  # a field spans at most 2 bytes
+        out[i] = (two >> (at & 7)) & mask
+        at += width
+
+
+@_inline
+def _flip_words(p, at, nbytes):
+    words = np.empty(nbytes // 2, np.uint16)
+    words.view(np.uint8)[:] = p[at:at + nbytes]
+    return words
+
+
+@_inline
+def _rans_step8(x, wp, slots, rans, last):
+    """:func:`_rans_step` for a table of up to 256 symbols (each f < 4096): slots pack the
+    symbol (bits 0-7), slot - cum (8-19) and f (20-31)."""
+    e = np.uint64(slots[x & np.uint64(SCALE - 1)])
+    s = np.int64(e & np.uint64(255))
+    x = (e >> np.uint64(20)) * (x >> np.uint64(SCALE_BITS)) + ((e >> np.uint64(8)) & np.uint64(SCALE - 1))
+    need = x < RANS_L
+    w = np.uint64(rans[min(wp, last)])
+    x = (x << np.uint64(16)) | w if need else x
+    return s, x, wp + np.int64(need)
+
+
+@_jit
+def _dec_flips(p, fl_at, fl_len, f4, n_sym, out):
+    """Decode the predicted signs' flip bits (one rANS byte symbol per eight flips, dealt to
+    FLIP_STREAMS streams that start at fl_at[k] and are fl_len[k] bytes long) into the bytes
+    ``out`` (flip j: bit j & 7 of byte j >> 3). The four streams are four independent chains.
+    Returns 0 or -34."""
+    freqs = _flip_byte_freqs(f4)
+    if freqs.size == 0:
+        return -34
+    slots = np.empty(SCALE, np.uint32)  # every slot is set: the frequencies sum to SCALE
+    t = 0
+    for s in range(256):
+        f = freqs[s]
+        for r in range(f):
+            slots[t + r] = np.uint32(s | (r << 8) | (f << 20))
+        t += f
+    w0 = _flip_words(p, fl_at[0], fl_len[0])
+    w1 = _flip_words(p, fl_at[1], fl_len[1])
+    w2 = _flip_words(p, fl_at[2], fl_len[2])
+    w3 = _flip_words(p, fl_at[3], fl_len[3])
+    x0 = np.uint64(w0[0]) | (np.uint64(w0[1]) << np.uint64(16))
+    x1 = np.uint64(w1[0]) | (np.uint64(w1[1]) << np.uint64(16))
+    x2 = np.uint64(w2[0]) | (np.uint64(w2[1]) << np.uint64(16))
+    x3 = np.uint64(w3[0]) | (np.uint64(w3[1]) << np.uint64(16))
+    if min(min(x0, x1), min(x2, x3)) < RANS_L:
+        return -34
+    p0 = p1 = p2 = p3 = 2
+    full = n_sym // 4
+    for b in range(full):  # four bytes (32 flips) per turn
+        s0, x0, p0 = _rans_step8(x0, p0, slots, w0, w0.size - 1)
+        s1, x1, p1 = _rans_step8(x1, p1, slots, w1, w1.size - 1)
+        s2, x2, p2 = _rans_step8(x2, p2, slots, w2, w2.size - 1)
+        s3, x3, p3 = _rans_step8(x3, p3, slots, w3, w3.size - 1)
+        out[4 * b] = np.uint8(s0)
+        out[4 * b + 1] = np.uint8(s1)
+        out[4 * b + 2] = np.uint8(s2)
+        out[4 * b + 3] = np.uint8(s3)
+    for i in range(4 * full, n_sym):  # the last 1-3 bytes: streams 0, 1, 2
+        if i % 4 == 0:
+            s, x0, p0 = _rans_step8(x0, p0, slots, w0, w0.size - 1)
+        elif i % 4 == 1:
+            s, x1, p1 = _rans_step8(x1, p1, slots, w1, w1.size - 1)
+        else:
+            s, x2, p2 = _rans_step8(x2, p2, slots, w2, w2.size - 1)
+        out[i] = np.uint8(s)
+    if p0 != w0.size or p1 != w1.size or p2 != w2.size or p3 != w3.size:
+        return -34
+    if x0 != RANS_L or x1 != RANS_L or x2 != RANS_L or x3 != RANS_L:
+        return -34
+    return 0
+
+
+@_jit
+def _parse_ulp(p, pos, n, exp_bits, max_mag, flags, i64s, u8s, sc):
     """Parse and validate a ULP body (p[pos:]) for a tensor of n elements and decode its streams
     into the caller's scratch (i64s, u8s). Returns 1 (ready: sc describes the layout for the
     pass), 2 (scratch too small: sc[0:2] = sizes needed, all validated), 0 (nothing changed) or a
-    negative error code. Kept separate from the pass: inlined into this big function the hot
-    loop runs ~2x slower."""
+    negative error code. ``flags`` are the payload header's (FLAG_SIGN_MODEL: predicted signs).
+    Kept separate from the pass: inlined into this big function the hot loop runs ~2x slower."""
     E = 1 << exp_bits
     n_changed, pos = _rv(p, pos, n)
     row_len, pos = _rv(p, pos, max(n, 1))
@@ -852,14 +1014,60 @@ def _parse_ulp(p, pos, n, exp_bits, max_mag, i64s, u8s, sc):
         return -30
     nbytes_bits = (nbits + 7) // 8
     n_sign = (n_changed + 7) // 8
-    # every gap code takes at least one bit, every change one sign bit: counts are bounded by
+    model = (flags & FLAG_SIGN_MODEL) != 0
+    # every gap code takes at least one bit, every change one raw sign bit: counts are bounded by
     # the payload's own length as well as by n before anything of their size is allocated
-    if nbytes_bits + n_sign > p.size - pos or sum_nev + n_row_ev > nbits:
+    if nbytes_bits + (0 if model else n_sign) > p.size - pos or sum_nev + n_row_ev > nbits:
         return -30
     bits_at = pos
     pos += nbytes_bits
     signs = p[pos:pos + n_sign]
-    pos += n_sign
+    sm_rank = 0
+    sm_bits = 0
+    lv_at = 0
+    codes_at = 0
+    fl_at = np.zeros(FLIP_STREAMS, np.int64)
+    fl_len = np.zeros(FLIP_STREAMS, np.int64)
+    fl_freqs = np.zeros(16, np.int64)
+    if model:  # the sign model's section (docs/FORMAT.md, "Predicted signs")
+        if row_len % 64 != 0 or n_rows < 2 or n_rows * row_len != n or n_changed == 0 or pos >= p.size:
+            return -33
+        mb = np.int64(p[pos])
+        pos += 1
+        sm_rank = mb & 15
+        sm_bits = mb >> 4
+        if sm_rank < 1 or sm_rank > 3 or sm_bits < 1 or sm_bits > 2 or (sm_bits == 1 and sm_rank != 1):
+            return -33
+        lv_at = pos
+        if sm_bits == 2:
+            if 4 * sm_rank > p.size - pos:
+                return -33
+            for i in range(4 * sm_rank):
+                if p[pos + i] == 0:
+                    return -33
+            pos += 4 * sm_rank
+        codes_at = pos
+        code_bytes = (n_rows * sm_rank * sm_bits + 7) // 8 + (row_len * sm_rank * sm_bits + 7) // 8
+        if code_bytes > p.size - pos:
+            return -33
+        pos += code_bytes
+        tot = 0
+        for s_ in range(16):
+            f, pos = _rv(p, pos, SCALE)
+            if pos < 0:
+                return -34
+            fl_freqs[s_] = f
+            tot += f
+        if tot != SCALE:
+            return -34
+        for k in range(FLIP_STREAMS):
+            fl_len[k], pos = _rv(p, pos, p.size)
+            if pos < 0 or fl_len[k] % 2 or fl_len[k] < 4 or fl_len[k] > p.size - pos:
+                return -34
+            fl_at[k] = pos
+            pos += fl_len[k]
+    else:
+        pos += n_sign
     rans_len, pos = _rv(p, pos, p.size)
     if pos < 0 or rans_len % 2 or rans_len != p.size - pos:
         return -31
@@ -870,8 +1078,10 @@ def _parse_ulp(p, pos, n, exp_bits, max_mag, i64s, u8s, sc):
     # large per-change arrays live in caller-owned scratch (reused between calls: fresh pages
     # cost ~0.5 ms/MB in page faults); the small per-class ones are appended behind them
     n_ev = sum_nev + K
-    need64 = n_ev + 1 + n_changed + 1 + 6 * (K + 1) + 2 * E + 64
-    need8 = (n_rows if row_mode else 0) + 1
+    need64 = n_ev + 1 + n_changed + 1 + 6 * (K + 1) + 2 * E + 64 + (64 if model else 0)
+    signs_at = (n_rows if row_mode else 0) + 1
+    codes_at8 = signs_at + n_sign + 8
+    need8 = codes_at8 + n_rows + row_len if model else signs_at
     if need64 > i64s.size or need8 > u8s.size:
         sc[0] = need64
         sc[1] = need8
@@ -889,6 +1099,17 @@ def _parse_ulp(p, pos, n, exp_bits, max_mag, i64s, u8s, sc):
     vals = i64s[n_ev:n_ev + n_changed]
     row_dead = u8s[:n_rows] if row_mode else u8s[:1]
     row_dead[:] = 0
+    table_at = n_ev + n_changed + 1 + 2 * E + 5 * (K + 1)
+    if model:
+        _sign_codes(p, codes_at, sm_rank * sm_bits, n_rows, row_len, u8s[codes_at8:codes_at8 + n_rows],
+                    u8s[codes_at8 + n_rows:codes_at8 + n_rows + row_len])
+        sign_model.prediction_table(p[lv_at:lv_at + (4 * sm_rank if sm_bits == 2 else 0)], sm_rank, sm_bits,
+                                    i64s[table_at:table_at + 64].view(np.uint64))
+        signs = u8s[signs_at:signs_at + n_sign]
+        signs[:] = 0
+        err = _dec_flips(p, fl_at, fl_len, fl_freqs, n_sign, signs)
+        if err:
+            return err
     err = _dec_streams(words, nbits, n_rows, row_mode, n_row_ev, row_m, cls_nev, cls_m, ev, ev_off,
                        mag_mode, mag_par, freqs, freq_off, val_off, cls_nchg, signs, rans, vals, row_dead, max_mag)
     if err:
@@ -942,6 +1163,10 @@ def _parse_ulp(p, pos, n, exp_bits, max_mag, i64s, u8s, sc):
     sc[5] = n_changed
     sc[6] = n_rows if row_mode != 0 else 0
     sc[7] = lut_at
+    sc[8] = 1 if model else 0
+    sc[9] = table_at
+    sc[10] = row_len
+    sc[11] = codes_at8
     return 1
 
 
@@ -962,7 +1187,8 @@ _ERRORS = {
     -22: "bad row flags", -23: "too many classes", -24: "bad class range", -25: "unknown class flags",
     -26: "bad class counts", -27: "bad magnitude parameter", -28: "bad frequency table",
     -29: "class counts disagree with the total", -30: "streams longer than the payload or counts above them",
-    -31: "bad rANS stream length", -32: "inconsistent empty delta",
+    -31: "bad rANS stream length", -32: "inconsistent empty delta", -33: "bad sign model",
+    -34: "bad flip stream",
 }
 class _Scratch:
     """Reusable decode buffers. Fresh pages cost ~0.5 ms/MB in page faults, and apply_snapshot
@@ -999,13 +1225,13 @@ def _release(scratch: _Scratch) -> None:
             _POOL.append(scratch)
 
 
-def _apply_ulp(p: np.ndarray, pos: int, elems: np.ndarray, dtype: str) -> None:
+def _apply_ulp(p: np.ndarray, pos: int, elems: np.ndarray, dtype: str, flags: int = 0) -> None:
     """Parse the ULP body p[pos:] and apply it in place to elems (the old elements)."""
     exp_bits = FLOATS[dtype][2]
     full = (1 << (8 * elems.itemsize)) - 1
     scratch = _acquire()
     try:
-        err = _apply_ulp_with(scratch, p, pos, elems, dtype, exp_bits, full)
+        err = _apply_ulp_with(scratch, p, pos, elems, dtype, exp_bits, full, flags)
     finally:
         _release(scratch)
     if err not in (0, 1):
@@ -1013,15 +1239,19 @@ def _apply_ulp(p: np.ndarray, pos: int, elems: np.ndarray, dtype: str) -> None:
 
 
 def _apply_ulp_with(scratch: _Scratch, p: np.ndarray, pos: int, elems: np.ndarray, dtype: str, exp_bits: int,
-                    full: int) -> int:
-    sc = np.zeros(8, np.int64)
-    err = _parse_ulp(p, pos, elems.size, exp_bits, full, scratch.i64, scratch.u8, sc)
+                    full: int, flags: int = 0) -> int:
+    sc = np.zeros(12, np.int64)
+    err = _parse_ulp(p, pos, elems.size, exp_bits, full, flags, scratch.i64, scratch.u8, sc)
     if err == 2:  # sizes were validated against n and the payload length before this request
         scratch.grow(int(sc[0]) + int(sc[0]) // 4, int(sc[1]) + int(sc[1]) // 4)
-        err = _parse_ulp(p, pos, elems.size, exp_bits, full, scratch.i64, scratch.u8, sc)
+        err = _parse_ulp(p, pos, elems.size, exp_bits, full, flags, scratch.i64, scratch.u8, sc)
     i64s, u8s = scratch.i64, scratch.u8
     if err == 1:
-        D, row_len, S, K, n_ev, n_changed, n_rows, o_ = (int(x) for x in sc)
+        D, row_len, S, K, n_ev, n_changed, n_rows, o_, predict, t_at, pred_len, c_at = (int(x) for x in sc)
+        table = i64s[t_at:t_at + 64].view(np.uint64)
+        n_pred_rows = elems.size // pred_len if predict else 0
+        rc = u8s[c_at:c_at + n_pred_rows]
+        cc = u8s[c_at + n_pred_rows:c_at + n_pred_rows + (pred_len if predict else 0)]
         E = 1 << exp_bits
         lut = i64s[o_:o_ + 2 * E]
         o_ += 2 * E
@@ -1031,10 +1261,10 @@ def _apply_ulp_with(scratch: _Scratch, p: np.ndarray, pos: int, elems: np.ndarra
         row_dead = u8s[:n_rows] if n_rows else np.zeros(1, np.uint8)
         if dtype == "BF16" and select_apply.AVAILABLE and elems.flags.c_contiguous:
             return select_apply.apply_bf16(scratch.select, elems, row_dead, row_len, n_rows, lut, S, D,
-                                           K, evp, vp, vend, evend, ev, vals)
+                                           K, evp, vp, vend, evend, ev, vals, table, rc, cc, predict, pred_len)
         u64 = np.uint64
         err = _WALKS[dtype](elems, lut.view(u64), D, row_dead, row_len, cnt.view(u64), evp.view(u64), ev, vp.view(u64),
-                            vend.view(u64), vals)
+                            vend.view(u64), vals, table, rc, cc, predict, pred_len)
         if err == 0:
             err = _check_consumed(evp, evend, vp, vend, S)
     return err
@@ -1127,8 +1357,8 @@ def _plane_bytes(coder: int, stored: memoryview, n: int) -> np.ndarray:
     return np.frombuffer(decompress_exact(stored, n, "plane"), np.uint8)
 
 
-def _header(method: int, width: int, n: int) -> bytes:
-    return MAGIC + bytes([method, width, 0]) + _varint(n)
+def _header(method: int, width: int, n: int, flags: int = 0) -> bytes:
+    return MAGIC + bytes([method, width, flags]) + _varint(n)
 
 
 def _readonly(arr: np.ndarray, dtype: type) -> np.ndarray:
@@ -1212,7 +1442,47 @@ def _segments(exps: np.ndarray, arg: np.ndarray) -> list[tuple[int, int]]:
     return segs[::-1]
 
 
-def _encode_ulp(u: np.ndarray, v: np.ndarray, dtype: str, shape: tuple[int, ...] | None) -> tuple[bytes, int]:
+def _sign_section(u: np.ndarray, v: np.ndarray, vals: np.ndarray, lut_e: np.ndarray, mant_bits: int, E: int,
+                  shape: tuple[int, ...] | None, row_len: int, n_rows: int) -> tuple[int, bytes]:
+    """(payload flags, the signs' bytes): raw sign bits, or, where it is smaller, a sign model
+    (:mod:`.codec_v2_signs`) and the rANS-coded flips of ``vals`` (which are negated in place
+    where the model predicts a negative step)."""
+    raw = np.packbits(vals < 0, bitorder="little").tobytes()
+    if not shape or len(shape) < 2 or row_len * n_rows != u.size or vals.size < sign_model.MIN_CHANGES:
+        return 0, raw
+    changed = np.flatnonzero(u != v)
+    cls = lut_e[(u[changed] >> mant_bits).astype(np.int64) & (E - 1)].astype(np.uint8)  # K <= 256 classes
+    order = np.argsort(cls, kind="stable")  # (a radix sort) value j is the change at changed[order[j]]
+    signs = np.zeros(u.size, np.int8)
+    signs[changed[order]] = np.where(vals < 0, -1, 1)
+    rows, cols = np.divmod(changed, row_len)
+    fitted = sign_model.fit(signs.reshape(n_rows, row_len), rows, cols)
+    if fitted is None:
+        return 0, raw
+    model, predicted = fitted
+    stored = np.where(predicted[order], -vals, vals)
+    flips = np.zeros((stored.size + 7) // 8 * 8, np.uint8)
+    flips[:stored.size] = stored < 0
+    nibbles = flips[0::4] | flips[1::4] << 1 | flips[2::4] << 2 | flips[3::4] << 3
+    f4 = _quantize_freqs(np.bincount(nibbles, minlength=16))
+    f8 = _flip_byte_freqs(f4)
+    if f8.size == 0:
+        return 0, raw
+    syms = np.packbits(flips, bitorder="little")
+    buf = np.zeros(syms.size + 8, np.uint16)
+    section = model.to_bytes() + b"".join(_varint(int(f)) for f in f4)
+    for k in range(FLIP_STREAMS):
+        nw = _rans_encode_bytes(syms[k::FLIP_STREAMS].copy(), f8, buf)
+        coded = buf[buf.size - nw:].astype("<u2").tobytes()
+        section += _varint(len(coded)) + coded
+    if len(section) >= len(raw):
+        return 0, raw
+    vals[:] = stored
+    return sign_model.FLAG_SIGN_MODEL, section
+
+
+def _encode_ulp(u: np.ndarray, v: np.ndarray, dtype: str, shape: tuple[int, ...] | None,
+                predict_signs: bool = True, class_cost: float = 0.0) -> tuple[bytes, int]:
     """The ULP payload of old elements u -> new elements v, and the number of changes."""
     width, mant_bits, exp_bits = FLOATS[dtype]
     bits_w = 8 * width
@@ -1229,13 +1499,14 @@ def _encode_ulp(u: np.ndarray, v: np.ndarray, dtype: str, shape: tuple[int, ...]
 
     # class plans without and with the dead-rows filter
     exps = np.flatnonzero(ne).astype(np.int64)
-    cost, arg = _plan_classes(exps, ne, ke, hist, ovf_bits)
+    class_bits = class_cost * n_changed
+    cost, arg = _plan_classes(exps, ne, ke, hist, ovf_bits, class_bits)
     ne_used = ne
     n_alive = int(row_alive.sum())
     row_mode = 0
     if n_rows > 1 and n_alive < n_rows:
         exps_a = np.flatnonzero(ne_alive).astype(np.int64)
-        cost1, arg1 = _plan_classes(exps_a, ne_alive, ke, hist, ovf_bits)
+        cost1, arg1 = _plan_classes(exps_a, ne_alive, ke, hist, ovf_bits, class_bits)
         minority = min(n_alive, n_rows - n_alive)
         cost1 += _h2bits_py(n_rows, minority) + 0.04 * minority + 24
         if cost1 < cost:
@@ -1312,14 +1583,14 @@ def _encode_ulp(u: np.ndarray, v: np.ndarray, dtype: str, shape: tuple[int, ...]
     buf = np.zeros(bound, np.uint64)
     nbits = _write_bits(buf, row_ev, row_m, ev, ev_off, cls_nev, cls_m, vals, val_off, cls_nchg, mag_mode, mag_par)
     bits_bytes = buf.view(np.uint8)[: (nbits + 7) // 8].tobytes()
-    signs = np.packbits(vals < 0, bitorder="little").tobytes()
+    flags, signs = _sign_section(u, v, vals, lut_e, mant_bits, E, shape if predict_signs else None, row_len, n_rows)
     rans_bytes = b""
     if tables:
         rbuf = np.zeros(vals.size * 2 + 8, np.uint16)
         nw = _rans_encode(vals, val_off, cls_nchg, mag_mode, mag_par, freqs, freq_off, rbuf)
         rans_bytes = rbuf[rbuf.size - nw:].astype("<u2").tobytes()
 
-    out = bytearray(_header(METHOD_ULP, width, n))
+    out = bytearray(_header(METHOD_ULP, width, n, flags))
     out += _varint(n_changed) + _varint(row_len)
     out.append(row_mode)
     if row_mode:
@@ -1343,12 +1614,14 @@ def _encode_ulp(u: np.ndarray, v: np.ndarray, dtype: str, shape: tuple[int, ...]
 
 
 def encode_delta(old: np.ndarray, new: np.ndarray, dtype: str, shape: tuple[int, ...] | None = None,
-                 zstd_level: int = ZSTD_LEVEL, dense_fraction: float = 0.125) -> bytes:
+                 zstd_level: int = ZSTD_LEVEL, dense_fraction: float = 0.125, predict_signs: bool = True,
+                 class_cost: float = CLASS_COST) -> bytes:
     """A payload that rebuilds ``new`` from ``old`` (raw bytes of ``dtype``, same size).
 
     ``shape`` (optional) is the tensor's shape: rows of its last dimension that do not change at
     all are then flagged instead of coded element by element. When more than ``dense_fraction``
-    of the elements changed, a full payload is returned if it is smaller.
+    of the elements changed, a full payload is returned if it is smaller. ``predict_signs``: try a
+    sign model (:mod:`.codec_v2_signs`) where the shape allows it. ``class_cost``: see CLASS_COST.
     """
     new = _check_bytes(new, "new")
     old = _check_bytes(old, "old")
@@ -1357,7 +1630,8 @@ def encode_delta(old: np.ndarray, new: np.ndarray, dtype: str, shape: tuple[int,
     width = _width(dtype, new.size)
     n = new.size // width
     if dtype in FLOATS:
-        payload, n_changed = _encode_ulp(_readonly(old, _UINT[width]), _readonly(new, _UINT[width]), dtype, shape)
+        payload, n_changed = _encode_ulp(_readonly(old, _UINT[width]), _readonly(new, _UINT[width]), dtype, shape,
+                                         predict_signs, class_cost)
         if n_changed > dense_fraction * n:
             full = encode_full(new, dtype, zstd_level)
             if len(full) < len(payload):
@@ -1409,7 +1683,7 @@ def decode_into(out: np.ndarray, payload: bytes | memoryview, dtype: str) -> Non
     method, pwidth, flags = rd.u8(), rd.u8(), rd.u8()
     if pwidth != width:
         raise CorruptDataError(f"payload element size {pwidth} does not match {dtype}")
-    if flags:
+    if flags & ~FLAG_SIGN_MODEL or (flags and method != METHOD_ULP):
         raise CorruptDataError(f"unknown payload flags {flags:#x}")
     if out.size % width:
         raise CorruptDataError("expected byte count is not a whole number of elements")
@@ -1434,7 +1708,7 @@ def decode_into(out: np.ndarray, payload: bytes | memoryview, dtype: str) -> Non
         raise CorruptDataError(f"unknown v2 payload method {method}")
     if dtype not in FLOATS:
         raise CorruptDataError(f"ULP payload for the non-float dtype {dtype}")
-    _apply_ulp(_readonly(np.frombuffer(view, np.uint8), np.uint8), rd.p, out.view(_UINT[width]), dtype)
+    _apply_ulp(_readonly(np.frombuffer(view, np.uint8), np.uint8), rd.p, out.view(_UINT[width]), dtype, flags)
 
 
 def _warm_up_tensors(dtype: str) -> tuple[np.ndarray, np.ndarray]:
@@ -1453,25 +1727,42 @@ def _warm_up_tensors(dtype: str) -> tuple[np.ndarray, np.ndarray]:
     return u.view(np.uint8), v.view(np.uint8)
 
 
+def _warm_up_sign_tensors() -> tuple[np.ndarray, np.ndarray]:
+    """A deterministic BF16 (old, new) pair of shape (64, 256) whose steps' signs follow a rank-1
+    pattern (a sign per row times a sign per column, one in eight flipped): its payload predicts
+    signs."""
+    i = np.arange(64 * 256, dtype=np.uint64)
+    x = ((i + np.uint64(7)) * np.uint64(0x9E3779B97F4A7C15)) * np.uint64(0xBF58476D1CE4E5B9)
+    u = ((x >> np.uint64(51)) | np.uint64(0x3C00)).astype(np.uint16)  # 2^-7 .. 2^1, positive
+    rows, cols = i // np.uint64(256), i % np.uint64(256)
+    negative = ((rows * np.uint64(5) + cols * np.uint64(3)) % np.uint64(7) < np.uint64(3)) ^ ((x >> np.uint64(7)) % np.uint64(8) == 0)
+    changed = (x >> np.uint64(20)) % np.uint64(3) != 0
+    v = u.astype(np.int64) + np.where(changed, np.where(negative, -1, 1), 0)
+    return u.view(np.uint8), v.astype(np.uint16).view(np.uint8)
+
+
 def warm_up(encoder: bool = True) -> None:
     """Compile (or load from numba's on-disk cache) the decoder's kernels, and the encoder's
     unless ``encoder`` is False, by coding small tensors of each float dtype with every coding
     mode. The decoder-only warm-up decodes payloads stored in this module, so a server does not
     compile the encoder it never uses. Call it early, e.g. in a background thread, so the first
     real payload does not wait for the JIT."""
-    for dtype in FLOATS:
-        old, new = _warm_up_tensors(dtype)
-        payloads = [base64.b64decode(_WARM_UP_PAYLOADS[dtype])]
+    cases = [(dtype, *_warm_up_tensors(dtype), (8, 256)) for dtype in FLOATS]
+    cases.append(("BF16 signs", *_warm_up_sign_tensors(), (64, 256)))
+    for name, old, new, shape in cases:
+        dtype = name.split()[0]
+        payloads = [base64.b64decode(_WARM_UP_PAYLOADS[name])]
         if encoder:
-            payloads.append(encode_delta(old, new, dtype, (8, 256), dense_fraction=2.0))
+            payloads.append(encode_delta(old, new, dtype, shape, dense_fraction=2.0))
         for payload in payloads:
             out = old.copy()
             decode_into(out, payload, dtype)
             if not np.array_equal(out, new):
-                raise RuntimeError(f"codec v2 self-test failed for {dtype}")
+                raise RuntimeError(f"codec v2 self-test failed for {name}")
 
 
-#: encode_delta(*_warm_up_tensors(dtype), dtype, (8, 256), dense_fraction=2.0), base64
+#: encode_delta(*_warm_up_tensors(dtype), dtype, (8, 256), dense_fraction=2.0), base64; "BF16 signs":
+#: encode_delta(*_warm_up_sign_tensors(), "BF16", (64, 256), dense_fraction=2.0) (predicted signs)
 _WARM_UP_PAYLOADS = {
     "BF16": (
         "RFNDMgECAIAQ8ASAAgEDAQUAGAJ5AQcAGQKCAQEHABkCegEHABgDfH8BBgAZAnwBB/chkkj/oOIvJH5A6Q8a/CGC/hTI38A/CvTX"
@@ -1507,5 +1798,44 @@ _WARM_UP_PAYLOADS = {
         "QAQFKCCBhBCQECIQQAESiBACEkICCSgIQAIAiBAEAAAAIgR8257VALHcJ1ylRBbCpcd4s//ZcGzcTqYZpfyLt/FqatNqDuPtJf/1"
         "hC+XXXIbEEBkEjASwDZvT5YV5mS2dEYwjP5fWGut7MHqXHyVGuFOY3BrsO1kBxyYf1SHsH9d6lWMFFws5Q1NNgCD91fJSu6q1DKg"
         "t3+DXmlq1UI82Q=="
+    ),
+    "BF16 signs": (
+        "RFNDMgECAYCAAa5VgAIAAXgHAdIqrlUCuG3cfg/t99D/LP6f27+P/2fx/yx+D+338f9z+z2030P7Wfw/t/8f/c/i/1n8f3i/j//f"
+        "x++h/R7a78X/c/v/uf0s/p/F/7P2+/j/ffw/tN9D+z30P7f/n9vvxf+z+H8Wv4//38f/s/Z7aL+H9nP7/7n9Hvqfxf+z+H/0/z7+"
+        "n8Xvof0e2u/j93P7PbSfxf+z+H9u/z7+n8X/Q/s9tN/H/8/t99B+D/3P4v+5/f/x/yz+n8Xvw/t9/P++/R7a76H9LP6f2//P/c/i"
+        "/1n8f3i/j//fx++h/R7a78X/c/v/uf0s/p/F/7P2+/j/ffw/tN9D+z30P7f/n9vvof9Z/D+L38f/7+P/Wfwe2u+h/dx+P7ffQ/tZ"
+        "/D+L/0f/7+P/Wfw/tN9D+338fm6/h/Z78f8s/p/bv4//Z/H/rP0+vN/H/8/t99B+D/3P4v+5/f/x/yz+n8Xvw/t9/P++/R7a76H9"
+        "LP6f2//P/c/i/1n8P7Tfx//v4/fQfg/t99D/3P5/bj+L/2fx/yx+H/+/j/+H9ntov4f2c/v93H4P/c/i/1n8f/z/Pv6fxe+h/R7a"
+        "79vv5/Z7aD+L/2fx/9z/+/h/Fv8P7ffh/T5+P7ffQ/u9+H8W/8/t38f/s/h/1n4f3u/j/+f2e2i/h/5n8f/c/v/4fxb/z+L34f0+"
+        "/n/ffg/t99B+Fv/P7f/n/mfx/yz+H9rv4//38Xtov4f2e+h/br+f28/i/1n8P4vfx//v4/+h/R7a76H93H4/t99D/7P4fxb/H/+/"
+        "j/9n8Xtovw/v9+33c/s9tJ/F/7P4f+7/ffw/i/+H9vvwfh+/n9vvof1e/D+L/+f27+P/Wfw/a78P7/fx/3P7PbTfQ/+z+H9u/z/6"
+        "n8X/s/h9eL+P/9/H76H9HtrP4v+5/X5uP4v/Z/H/0H4f/7+P/4f2e2i/h/7n9vu5/V78P4v/Z/H7+P99/D9rv4f2+/B+br+f2++h"
+        "/1n8P4v/j//fx/+z+D2034f3+/b7uf0e2s/i/1n8P/f/Pv6fxf9D+314v4/fz+330H4P/c/i/7n9+/h/Fv/P4vfh/T7+f26/h/Z7"
+        "aD+L/+f2+9H/LP6fxf+H9/v4/338Htrvof1e/D+338/tZ/H/LP6ftd/H/+/j/6H9Htrvw/9z+/3cfi/+n8X/s/h9/P8+/p+130P7"
+        "fXg/t9/P7ffQ/yz+n8X/o//38f8sfg/t9+H9Pn4/t99D+1n8P4v/5/bv4/9Z/D+034f3+/j/uf0e2u+h/1n8P7ffH//P4v9Z/D68"
+        "38f/79vvof0e2s/i/7n9fvQ/i/9n8f/h/T7+fx+/h/Z7aL9v/p/b7+f2s/h/Fv/P2u/j//fx/9B+D+334f+5/X5uvxf/z+L/Wfw+"
+        "/n8f/8/a76H9Pryf2+/n9nvofxb/z+L/0f98/D+L30P7fXi/j9/P7ffQfhb/z+L/uf18/D+L/4f2+/B+H/8/t99D+z30Pzf/z+33"
+        "x/+z+H8Wvw/v9/H/+/Z7aL+H9nPz/9x+P/c/i/9n8f/h/T7+fx+/h/Z7aL9v/p/b7+f2s/h/Fv/P2u/j//fx/9B+D+334f+5/X5u"
+        "v4f+Z/H/LH4f/8/H/7P4PbTfh/dz+/3cfg/tZ/H/LP4f/c/H/7P4f2i/D+/38fu5/R7a78X/c/P/3H4+/p/F/7P2+/B+H/8/t99D"
+        "+z30Pzf/z+33x/+z+H8Wvw/v9/H/+/Z7aL+H9nPz/9x+P/c/i/9n8f/Qfh//v4/fQ/s9tN+H/+f2+7n9LP6fxf+z+H38Px//D+33"
+        "0H4f3s/t93P7PfQ/i/9n8f/x/3z8P4vfQ/t9eL9vv5/b76H9LP6fm//n/ufj/1n8P7Tfh/f7+P3cfg/t9+L/ufl/bj8f/8/i/1n7"
+        "fXi/j/+f2++h/R76n5v/5/b70f8s/p/F78P7ffz/Pn4P7ffQfm7+n9vv5/5n8f8s/h/a7+P/+fg9tN9D+334f26/n9vP4v9Z/D+L"
+        "38f/8/H/0H4P7ffh/dx+P7ffQ/+z+H9u/j/+n4//Z/F7aL8P7/ft93P7PbSfxf9z8//c/3z8P4v/h/b78H4fv5/b76H9Xvw/N//P"
+        "7efj/1n8P2u/D+/38f9z+z2030P/c/P/3H4/+p/F/7P4fXi/j//n4/fQfg/t5+b/uf1+bj+L/2fx/9B+H//Px/9D+z2034f/5/b7"
+        "uf1e/D+L/+fm9/H/fPw/a7+H9vvwfm6/n9vvof9Z/D83/x//z8f/s/g9tN+H9/v2+7n9HtrP4v+5+X/ufz7+n8X/Q/t9eL+P38/t"
+        "99B+D/3Pzf9z+/n4fxb/z+L34f0+/h+330P7PbSfm//n9vvR/yz+n8X/h/f7+H8+fg/t9yNs/1H/b/5S/jC1Ka13KrEzSl2Z1A4I"
+        "USQSPyDklUjtiBl3KrEzSl2Z3A4IUSQSPwDklUntiBF3CrMzSl0IHxgHUCB8YAxwgfChEQItQgTGAbUIHxgHXMR8YJxAi/CBcQsF"
+        "wkfmAbQxGRsH0KJ8YNxCi/CBWQEFwsdkAbQIHxoHVOB8YBxAgfCBUaAFwodwCBUIH0gHUEF8YBxWBfOBEYotwgfSIFQIP5oHUMBk"
+        "bBxQi/KBMQgVwgfmDLQIHwsDVCB8aBxAhRCBcQAFwgfGABUIH9IlUCF8YBxAgfCRccEFwgfGAbQIHxi30CJ8ZB5AEZOxcQAtygfG"
+        "DRUIH5iuFY4CwgGEAcUBCVoh+QEUBQJ0ASoCsAFkAy8AUMQrRF4AH5ngm2/nTjb+Pjs9OUTUzQBB26m2Vm0jNsci0EFLrQHN/yzG"
+        "afsnqZfoFS8cSl20Q5vR65JG0qNjLd+IiE4ipIYyCaLmrk6W8MatjbWI/WJF293uV1JsRc2vN9sL9zCLCEgu1ItgIKo3xly1qXvo"
+        "jKEbYlDXM6HKPiN7V9UXVr6zl1mhek2Ue3atTUFb1DWrTGeICM3U6rIIHuu7zBxmiXKZwccXx6gBJPmOAEKy89FJV/ucGDhu9opR"
+        "og8PCZkxrGkRNylMofkkE/xJGL76WKYx4qqjKC2rmZwqarqS04oltizrGphem5wl+xBOB2DNNC033Kd3YtYy7CY0NOJWds/ts8c3"
+        "b/DelmcGVdHcWRLTqBjjdyhKdJ7oy1wq69unRuwcF3f+OVrTZI4eH8YzKy33C7r6aHkPBjjT8oMprebZz2581RWYDQYAatj2eP/Z"
+        "rgGWUDgEmyxXxeCHGe3thpWi3+dDcf05tzHwqHBX6WbH/xXoPpWdJ3WnKKyzeBjdENwJ2cBBcxDsMEK//Rk1NXnK3zPK69VIq/Jz"
+        "tmT2V5g4HWDkJFXReW/0xiWYZNXo7ffJXy0rrz5AHGoxjG0fuPP2jbOlhAFF9JHfLXXJlw+wwTZr1dQsy6Osehhfboc8p74rPiQn"
+        "28KyKBNC0qhLEuo6TiqFLuOE+DJkYH0LT/imAf7qAx+O1IetERKpvh/pRECMcdvYkH7secPAFrsX2EhPcILVr9ooZXKYrHiIjfAL"
+        "0E/6gvNmsjYw+27rqae7oajFoZTXbuXKXzGtVSGawsxqbWO9p/l2xQReKEZPmqhaduG5C6UMwOXZB3TFbIxc3WuebmyOOFw+YBis"
+        "ywDhOookct8NeL0EImiNkKdb1pXwzygrI14Dkm3wu4zC4UrcgAB9WGiXn+0A"
     ),
 }

@@ -31,6 +31,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .codec_v2_signs import predicted_negative
+
 __all__ = ["AVAILABLE", "CHUNK", "SelectScratch", "apply_bf16"]
 
 CHUNK = 4096  # elements per chunk: its exponent bytes and masks stay in L1
@@ -204,9 +206,37 @@ def _apply_changes(out, s, ebuf, cbuf, nw, cls_of, q, vals, last):
 
 
 @_jit
-def _apply(out, ebuf, cbuf, valid, er, row_dead, row_len, n_rows, lut, S, D, K, evp, vp, vend, evend, ev, vals):
+def _apply_changes_predicted(out, s, ebuf, cbuf, nw, cls_of, q, vals, last, table, rc, cc, row_len):
+    """:func:`_apply_changes` with predicted signs: a value is negated where the sign model
+    predicts a negative step. Rows are whole words (row_len % 64 == 0, checked by the parse)."""
+    bad = np.int64(0)
+    s = np.uint64(s)
+    last = np.uint64(last)
+    row_len = np.uint64(row_len)
+    for w in range(np.uint64(nw)):
+        x = cbuf[w]
+        base = w * U64
+        row = (s + base) // row_len
+        col = s + base - row * row_len
+        row_table = table[rc[row]]
+        while x:
+            t = _tzcnt(x)
+            c = cls_of[ebuf[base + t]]
+            k = q[c]
+            q[c] = k + U1
+            d = vals[min(k, last)]
+            neg = predicted_negative(row_table, cc[col + t])
+            bad |= _apply_one(out, s + base + t, (d ^ -neg) + neg)
+            x &= x - U1
+    return bad
+
+
+@_jit
+def _apply(out, ebuf, cbuf, valid, er, row_dead, row_len, n_rows, lut, S, D, K, evp, vp, vend, evend, ev, vals,
+           table, rc, cc, predict, pred_len):
     """Apply a parsed payload (codec v2's ``_parse_ulp`` layout, internal class ids) to the BF16
-    bits in ``out``. Returns 0, -12 (events or values not all used, or ranks past the tensor),
+    bits in ``out``; with a sign model (``predict``: rows of ``pred_len``, their codes rc, the
+    columns' cc and the prediction table) its predicted signs. Returns 0, -12 (events or values not all used, or ranks past the tensor),
     -11 (a value leaves the dtype's range), or -(words of er needed) when er is too small."""
     n = out.size
     K1 = K + 1
@@ -310,7 +340,10 @@ def _apply(out, ebuf, cbuf, valid, er, row_dead, row_len, n_rows, lut, S, D, K, 
             if L & 63:
                 valid[nw - 1] &= (U1 << np.uint64(L & 63)) - U1
         _change_mask(ebuf, valid, use_valid, nw, lo, span, inv, rank, eroff, imax, er, cbuf)
-        bad |= _apply_changes(out, s, ebuf, cbuf, nw, cls_of, q, vals, last)
+        if predict:
+            bad |= _apply_changes_predicted(out, s, ebuf, cbuf, nw, cls_of, q, vals, last, table, rc, cc, pred_len)
+        else:
+            bad |= _apply_changes(out, s, ebuf, cbuf, nw, cls_of, q, vals, last)
     for k in range(K):
         if q[k] != qend[k]:
             return -12
@@ -335,14 +368,16 @@ class SelectScratch:
 
 def apply_bf16(scratch: SelectScratch, out: np.ndarray, row_dead: np.ndarray, row_len: int, n_rows: int,
                lut: np.ndarray, S: int, D: int, K: int, evp: np.ndarray, vp: np.ndarray, vend: np.ndarray,
-               evend: np.ndarray, ev: np.ndarray, vals: np.ndarray) -> int:
+               evend: np.ndarray, ev: np.ndarray, vals: np.ndarray, table: np.ndarray, rc: np.ndarray,
+               cc: np.ndarray, predict: int, pred_len: int) -> int:
     """Apply a payload parsed by codec v2 to ``out`` (the old BF16 bits as uint16, in place);
-    returns codec v2's error code (0: applied)."""
+    ``table``, ``rc``, ``cc``, ``predict`` and ``pred_len`` are its sign model's (predict 0:
+    none; codec_v2_signs). Returns codec v2's error code (0: applied)."""
     if out.dtype != np.uint16 or not out.flags.c_contiguous:
         raise ValueError("apply_bf16 takes the BF16 bits as a contiguous uint16 array")
     while True:
         err = _apply(out, scratch.ebuf, scratch.cbuf, scratch.valid, scratch.er, row_dead, row_len, n_rows, lut,
-                     S, D, K, evp, vp, vend, evend, ev, vals)
+                     S, D, K, evp, vp, vend, evend, ev, vals, table, rc, cc, predict, pred_len)
         if err >= -12 or -err <= scratch.er.size:  # done or an error code (a size is > er.size >= 4096)
             return int(err)
         scratch.er = np.zeros(-err + (-err) // 4, np.uint64)

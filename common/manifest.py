@@ -20,10 +20,11 @@ from .dtypes import dtype_size
 from .errors import CorruptDataError, FormatVersionError
 
 FORMAT_NAME = "delta-swap"
-#: Written by this build: 2 = tensor payloads may use codec v2 (``DSC2``).
-FORMAT_VERSION = 2
-#: Read by this build: version 1 stores (codec v1 payloads only) stay readable.
-READABLE_FORMAT_VERSIONS = (1, 2)
+#: Written by this build: 3 = codec v2 (``DSC2``) payloads may have predicted signs (version 2:
+#: they may not; version 1: codec v1 payloads only).
+FORMAT_VERSION = 3
+#: Read by this build: stores of every earlier version stay readable.
+READABLE_FORMAT_VERSIONS = (1, 2, 3)
 
 
 class SnapshotKind(str, Enum):

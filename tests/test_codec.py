@@ -42,9 +42,11 @@ def _pair(rng: np.random.Generator, dtype: str, n: int, density: float, small: b
 
 
 def _weights(rng: np.random.Generator, dtype: str, shape: tuple[int, ...], frac: float, dead_rows: float = 0.0,
-             max_step: int = 1) -> tuple[np.ndarray, np.ndarray]:
+             max_step: int = 1, sign_rank: int = 0, agree: float = 0.8) -> tuple[np.ndarray, np.ndarray]:
     """Weight-like floats and an RL-like step: ``frac`` of the elements move by 1..max_step ULPs,
-    small ones more often; rows in ``dead_rows`` never change."""
+    small ones more often; rows in ``dead_rows`` never change. With ``sign_rank`` the steps'
+    signs follow a random rank-``sign_rank`` pattern (as a momentum's outer products do), each
+    with probability ``agree``; otherwise they are fair coins."""
     import torch
 
     tdtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[dtype]
@@ -61,7 +63,11 @@ def _weights(rng: np.random.Generator, dtype: str, shape: tuple[int, ...], frac:
     bits = 8 * old.itemsize
     sign = 1 << (bits - 1)
     key = np.where(old.astype(np.int64) & sign, (1 << bits) - 1 - old.astype(np.int64), old.astype(np.int64) | sign)
-    steps = rng.integers(1, max_step + 1, n) * rng.choice([-1, 1], n)
+    signs = rng.choice([-1, 1], n)
+    if sign_rank:
+        pattern = rng.standard_normal((shape[0], sign_rank)) @ rng.standard_normal((sign_rank, n // shape[0]))
+        signs = np.where(rng.random(n) < agree, np.where(pattern.reshape(-1) < 0, -1, 1), -np.where(pattern.reshape(-1) < 0, -1, 1))
+    steps = rng.integers(1, max_step + 1, n) * signs
     key = np.where(changed, key + steps, key)
     new = np.where(key & sign, key ^ sign, (1 << bits) - 1 - key).astype(old.dtype)
     return old.view(np.uint8), new.view(np.uint8)
@@ -196,6 +202,136 @@ def test_dense_tensors_fall_back_to_a_full_payload(rng) -> None:
     assert np.array_equal(codec.decode(old, payload, "BF16", old.size), new)
 
 
+# ------------------------------------------------------------------------------ predicted signs
+
+
+def _walk_only(monkeypatch) -> None:
+    monkeypatch.setattr(codec_v2.select_apply, "AVAILABLE", False)
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "F16", "F32"])
+@pytest.mark.parametrize("sign_rank", [1, 3])
+@pytest.mark.parametrize("apply", ["select", "walk"])
+def test_predicted_signs_round_trip_and_shrink_the_payload(rng, monkeypatch, dtype: str, sign_rank: int, apply: str) -> None:
+    """Steps whose signs follow a low-rank pattern (80% of them) get a sign model (header flag 1):
+    bit-exact through both apply paths, in place too, and smaller than raw sign bits."""
+    if apply == "walk":
+        _walk_only(monkeypatch)
+    shape = (128, 512) if sign_rank == 1 else (384, 512)  # more factors pay only for more changes
+    old, new = _weights(rng, dtype, shape, 0.2, dead_rows=0.2, max_step=3, sign_rank=sign_rank)
+    n_changed = int(np.count_nonzero(old.view(_UINT[DTYPE_SIZES[dtype]]) != new.view(_UINT[DTYPE_SIZES[dtype]])))
+    assert n_changed >= codec_v2.sign_model.MIN_CHANGES
+    payload = codec.encode_tensor_delta(old, new, dtype, codec.CodecConfig(dense_fraction=2.0), shape=shape)
+    assert payload[6] == codec_v2.FLAG_SIGN_MODEL
+    assert np.array_equal(codec.decode(old, payload, dtype, old.size), new)
+    out = old.copy()
+    codec.decode_into(out, payload, dtype)
+    assert np.array_equal(out, new)
+    monkeypatch.setattr(codec_v2.sign_model, "fit", lambda *args: None)
+    raw = codec.encode_tensor_delta(old, new, dtype, codec.CodecConfig(dense_fraction=2.0), shape=shape)
+    assert raw[6] == 0 and np.array_equal(codec.decode(old, raw, dtype, old.size), new)
+    # the signs' ideal saving at 80% agreement is 28% of their bits; 2-bit factors of a rank-3
+    # pattern predict it less well than one bit per row and column does a rank-1 pattern
+    assert len(raw) - len(payload) > (0.15 if sign_rank == 1 else 0.05) * n_changed / 8
+
+
+def test_signs_without_a_pattern_stay_raw_bits(rng) -> None:
+    shape = (128, 512)
+    old, new = _weights(rng, "BF16", shape, 0.2, max_step=3)
+    payload = codec.encode_tensor_delta(old, new, "BF16", codec.CodecConfig(dense_fraction=2.0), shape=shape)
+    assert payload[6] == 0 and np.array_equal(codec.decode(old, payload, "BF16", old.size), new)
+
+
+def test_sign_models_only_where_rows_are_whole_words(rng) -> None:
+    """Rows of 500 elements (not a multiple of 64), one row or no shape: raw signs."""
+    for shape, passed in (((128, 500), (128, 500)), ((1, 64000), (1, 64000)), ((128, 512), None)):
+        old, new = _weights(rng, "BF16", shape, 0.2, sign_rank=1, agree=0.95)
+        payload = codec.encode_tensor_delta(old, new, "BF16", codec.CodecConfig(dense_fraction=2.0), shape=passed)
+        assert payload[6] == 0 and np.array_equal(codec.decode(old, payload, "BF16", old.size), new)
+
+
+def _model_payload(rng) -> tuple[np.ndarray, bytearray, int]:
+    """(old, a sign-model payload, offset of its model byte)."""
+    shape = (64, 512)
+    old, new = _weights(rng, "BF16", shape, 0.15, max_step=1, sign_rank=2, agree=0.9)
+    payload = bytearray(codec.encode_tensor_delta(old, new, "BF16", codec.CodecConfig(dense_fraction=2.0), shape=shape))
+    assert payload[6] == 1
+    # locate the section as a decoder does: skip the header, the body's fields and the bitstream
+    rd = codec_v2._Reader(memoryview(bytes(payload)))
+    rd.p = 7
+    rd.varint(1 << 62, "n")
+    rd.varint(1 << 62, "n_changed")
+    rd.varint(1 << 62, "row_len")
+    assert rd.u8() == 0  # no row flags
+    for _ in range(rd.varint(256, "K")):
+        rd.varint(256, "lo")
+        rd.varint(256, "span")
+        cflags = rd.u8()
+        rd.varint(1 << 62, "events")
+        if cflags & 1:
+            rd.varint(1 << 62, "changes")
+        rd.varint(1 << 62, "m")
+        if cflags >> 1 == 1:
+            rd.varint(1 << 62, "mag_m")
+        elif cflags >> 1 == 2:
+            for _ in range(rd.varint(64, "T")):
+                rd.varint(4096, "f")
+    rd.take((rd.varint(1 << 62, "nbits") + 7) // 8, "bits")
+    return old, payload, rd.p
+
+
+def test_crafted_sign_models_are_rejected(rng) -> None:
+    old, payload, at = _model_payload(rng)
+    codec.decode(old, bytes(payload), "BF16", old.size)
+    rank, bits = payload[at] & 15, payload[at] >> 4
+    crafted = {
+        "unknown flag": (6, 2), "flag on a full payload": None,
+        "rank 0": (at, bits << 4), "rank 5": (at, (bits << 4) | 5), "bits 3": (at, (3 << 4) | rank),
+        "one bit with rank 2": (at, (1 << 4) | 2),
+    }
+    if bits == 2:
+        crafted["level 0"] = (at + 1, 0)
+    for what, edit in crafted.items():
+        bad = bytearray(payload)
+        if edit is None:
+            bad = bytearray(codec.encode_full(np.zeros(8, np.uint8), "BF16"))
+            bad[6] = 1
+            target = np.zeros(8, np.uint8)
+        else:
+            bad[edit[0]] = edit[1]
+            target = old
+        with pytest.raises(CorruptDataError):
+            codec.decode(target, bytes(bad), "BF16", target.size)
+            pytest.fail(what)
+    # cut anywhere inside the section or the streams after it: rejected, never a crash
+    for cut in range(at, len(payload), max(1, (len(payload) - at) // 40)):
+        with pytest.raises(CorruptDataError):
+            codec.decode(old, bytes(payload[:cut]), "BF16", old.size)
+    # the flag on a payload whose rows are not whole words is refused, whatever follows
+    old500, new500 = _weights(rng, "BF16", (64, 500), 0.15, sign_rank=1, agree=0.95)
+    raw = bytearray(codec.encode_tensor_delta(old500, new500, "BF16", codec.CodecConfig(dense_fraction=2.0), shape=(64, 500)))
+    assert raw[6] == 0
+    raw[6] = 1
+    with pytest.raises(CorruptDataError, match="sign model"):
+        codec.decode(old500, bytes(raw), "BF16", old500.size)
+
+
+def test_damaged_flip_streams_are_caught(rng) -> None:
+    """A flipped bit in the flip stream either fails the stream's own checks or rebuilds other
+    bytes (which the manifest's checksum then rejects); it never crashes or goes out of range."""
+    old, payload, _ = _model_payload(rng)
+    good = codec.decode(old, bytes(payload), "BF16", old.size)
+    verdicts = set()
+    for i in range(len(payload) - 200, len(payload)):
+        bad = bytearray(payload)
+        bad[i] ^= 0x10
+        try:
+            verdicts.add("other bytes" if not np.array_equal(codec.decode(old, bytes(bad), "BF16", old.size), good) else "same")
+        except CorruptDataError:
+            verdicts.add("rejected")
+    assert "rejected" in verdicts and "same" not in verdicts
+
+
 def test_v2_kernels_release_the_gil() -> None:
     """apply_snapshot decodes tensors on threads: that only scales if the kernels drop the GIL."""
     kernels = [obj for obj in vars(codec_v2).values() if hasattr(obj, "targetoptions")]
@@ -223,6 +359,11 @@ def test_decoder_only_warm_up_decodes_its_stored_payloads() -> None:
     for dtype in codec_v2.FLOATS:
         old, new = codec_v2._warm_up_tensors(dtype)
         assert (old != new).any()
+    import base64  # the predicted-sign kernels are warmed up too: one stored payload uses them
+
+    signs = base64.b64decode(codec_v2._WARM_UP_PAYLOADS["BF16 signs"])
+    old, new = codec_v2._warm_up_sign_tensors()
+    assert signs[6] == codec_v2.FLAG_SIGN_MODEL and np.array_equal(codec.decode(old, signs, "BF16", old.size), new)
     first = codec.start_warm_up(encoder=False)
     assert codec.start_warm_up(encoder=False) is first  # once per process
     first.join(timeout=60)
@@ -302,6 +443,20 @@ def test_stored_v1_payloads_still_decode_bit_exact(name: str) -> None:
         codec.decode_into(buf, payload, dtype)
         assert np.array_equal(buf, new)
         assert np.array_equal(codec.decode_tensor_delta(old, payload, dtype), new)
+
+
+@pytest.mark.parametrize("name", sorted(codec_fixtures.CASES))
+def test_stored_v2_payloads_of_format_version_2_still_decode_bit_exact(name: str) -> None:
+    """Payloads written before predicted signs (header flags 0) keep decoding, in place too."""
+    dtype, old, new = codec_fixtures.reference(name)
+    payload = (codec_fixtures.DATA_V2 / f"{name}.dsc2").read_bytes()
+    assert payload[:4] == b"DSC2" and payload[6] == 0
+    out = codec.decode(old, payload, dtype, new.size)
+    assert np.array_equal(out, new) and checksum(out) == codec_fixtures.expected()[name]
+    if old is not None:
+        buf = old.copy()
+        codec.decode_into(buf, payload, dtype)
+        assert np.array_equal(buf, new)
 
 
 # ------------------------------------------------------------------------------ crafted input
@@ -519,6 +674,10 @@ def _spec_cases() -> list[tuple[np.ndarray, bytes, str]]:
                                                ("F32", (3, 400), 0.08, 100000, 0.0), ("BF16", (1,), 1.0, 1, 0.0)):
         old, new = _weights(rng, dtype, shape, frac, dead_rows=rows, max_step=max_step)
         cases.append((old, codec.encode_tensor_delta(old, new, dtype, codec.CodecConfig(dense_fraction=2.0), shape=shape), dtype))
+    for dtype, shape, rank in (("BF16", (32, 256), 1), ("F32", (16, 384), 2)):  # predicted signs
+        old, new = _weights(rng, dtype, shape, 3.0, max_step=2, sign_rank=rank, agree=0.9)
+        cases.append((old, codec.encode_tensor_delta(old, new, dtype, codec.CodecConfig(dense_fraction=2.0), shape=shape), dtype))
+        assert cases[-1][1][6] == 1
     for dtype in ("BF16", "F16", "F32"):
         vals = _special(dtype)
         cases.append((vals.view(np.uint8).copy(), codec.encode_tensor_delta(vals.view(np.uint8), np.roll(vals, 5).view(np.uint8).copy(),

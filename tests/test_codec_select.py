@@ -28,7 +28,7 @@ def _decode(old: np.ndarray, payload: bytes, select: bool, monkeypatch) -> np.nd
         return None
 
 
-CASES = {  # shape, fraction changed, rows that never change, largest step
+CASES = {  # shape, fraction changed, rows that never change, largest step, rank of the signs' pattern
     "sparse": ((64, 1000), 0.003, 0.0, 1),
     "rl-like": ((96, 700), 0.03, 0.0, 3),
     "dense classes": ((50, 800), 0.4, 0.0, 2),
@@ -37,27 +37,34 @@ CASES = {  # shape, fraction changed, rows that never change, largest step
     "not a chunk multiple": ((4096 * 3 + 77,), 0.02, 0.0, 1),
     "tiny": ((70,), 0.2, 0.0, 1),
     "large (its rank bitmaps grow)": ((600, 512), 0.01, 0.0, 1),
+    "predicted signs": ((80, 640), 0.1, 0.1, 2, 2),
+    "predicted signs, one bit per factor": ((200, 256), 0.15, 0.0, 1, 1),
 }
 
 
 @needs_select
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_select_apply_rebuilds_what_the_walk_rebuilds(case: str, rng, monkeypatch) -> None:
-    shape, frac, dead, step = CASES[case]
+    shape, frac, dead, step, *rank = CASES[case]
     monkeypatch.setattr(codec_v2, "_POOL", [])  # fresh scratch: the large case grows its buffer
-    old, new = _weights(rng, "BF16", shape, frac, dead_rows=dead, max_step=step)
+    old, new = _weights(rng, "BF16", shape, frac, dead_rows=dead, max_step=step, sign_rank=rank[0] if rank else 0,
+                        agree=0.9)
     payload = codec.encode_tensor_delta(old, new, "BF16", codec.CodecConfig(), shape=shape)
     assert payload[4] == codec_v2.METHOD_ULP  # coded as ULP steps, not a full or XOR payload
+    assert payload[6] == (codec_v2.FLAG_SIGN_MODEL if rank else 0)
     for select in (True, False):
         out = _decode(old, payload, select, monkeypatch)
         assert out is not None and np.array_equal(out, new), (case, select)
 
 
 @needs_select
-def test_damaged_payloads_get_the_same_verdict_from_both(rng, monkeypatch) -> None:
-    shape = (40, 500)
-    old, new = _weights(rng, "BF16", shape, 0.05, dead_rows=0.3, max_step=20)
+@pytest.mark.parametrize("signs", ["raw", "predicted"])
+def test_damaged_payloads_get_the_same_verdict_from_both(rng, monkeypatch, signs: str) -> None:
+    shape = (40, 500) if signs == "raw" else (64, 512)
+    old, new = _weights(rng, "BF16", shape, 0.05 if signs == "raw" else 0.4, dead_rows=0.3, max_step=20,
+                        sign_rank=0 if signs == "raw" else 1, agree=0.9)
     payload = codec.encode_tensor_delta(old, new, "BF16", codec.CodecConfig(), shape=shape)
+    assert payload[6] == (0 if signs == "raw" else codec_v2.FLAG_SIGN_MODEL)
     rejected = accepted = 0
     for byte in range(7, len(payload), max(1, len(payload) // 300)):
         for bit in (0, 2, 5, 7):

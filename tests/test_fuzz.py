@@ -149,7 +149,8 @@ def test_codec_decoder_on_random_bytes(data, nbytes) -> None:
 @pytest.fixture(scope="module")
 def v2_payloads() -> list[tuple[np.ndarray, bytes, str]]:
     """Codec v2 payloads that use every part of the format: dead-row flags, sparse and dense
-    classes, Golomb and rANS magnitudes with escapes, F16/F32, full and XOR payloads."""
+    classes, Golomb and rANS magnitudes with escapes, F16/F32, full and XOR payloads, predicted
+    signs."""
     import torch
 
     codec.warm_up()
@@ -172,6 +173,11 @@ def v2_payloads() -> list[tuple[np.ndarray, bytes, str]]:
     b[::17] ^= 5
     out.append((a, codec.encode_tensor_delta(a, b, "I8"), "I8"))
     out.append((a, codec.encode_full(b, "BF16"), "BF16"))
+    from tests.test_codec import _weights
+
+    a, b = _weights(rng, "BF16", (64, 512), 0.4, max_step=3, sign_rank=2, agree=0.9)
+    out.append((a, codec.encode_tensor_delta(a, b, "BF16", codec.CodecConfig(dense_fraction=2.0), shape=(64, 512)), "BF16"))
+    assert out[-1][1][6] == codec_v2.FLAG_SIGN_MODEL
     assert all(p[:4] == b"DSC2" for _, p, _ in out)
     return out
 
@@ -181,7 +187,7 @@ _RSS_SLACK_KIB = 64 * 1024  # the declared tensors are a few KiB: any count-driv
 
 
 @settings(max_examples=1500, deadline=timedelta(seconds=5), suppress_health_check=[HealthCheck.too_slow])
-@given(which=st.integers(0, 5),
+@given(which=st.integers(0, 6),
        flips=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 7), st.booleans()), max_size=6),
        cut=st.integers(0, 10**6), splice=st.binary(max_size=16), at=st.integers(0, 10**6), in_place=st.booleans())
 def test_v2_decoder_on_mutated_payloads(v2_payloads, which, flips, cut, splice, at, in_place) -> None:
@@ -213,11 +219,13 @@ def test_v2_decoder_on_mutated_payloads(v2_payloads, which, flips, cut, splice, 
 
 
 @settings(max_examples=300, deadline=timedelta(seconds=5), suppress_health_check=[HealthCheck.too_slow])
-@given(body=st.binary(max_size=400), method=st.integers(0, 3), n=st.integers(0, 2**20), nbytes=st.integers(0, 2**20))
-def test_v2_decoder_on_random_bodies(v2_payloads, body, method, n, nbytes) -> None:
-    """A valid v2 header followed by garbage, with any element count and expected size (the
-    fixture has compiled the kernels, so the deadline only measures decoding)."""
-    payload = b"DSC2" + bytes([method, 2, 0]) + codec_v2._varint(n) + body
+@given(body=st.binary(max_size=400), method=st.integers(0, 3), n=st.integers(0, 2**20), nbytes=st.integers(0, 2**20),
+       flags=st.sampled_from([0, codec_v2.FLAG_SIGN_MODEL]))
+def test_v2_decoder_on_random_bodies(v2_payloads, body, method, n, nbytes, flags) -> None:
+    """A valid v2 header (with or without predicted signs) followed by garbage, with any element
+    count and expected size (the fixture has compiled the kernels, so the deadline only measures
+    decoding)."""
+    payload = b"DSC2" + bytes([method, 2, flags]) + codec_v2._varint(n) + body
     old = np.zeros(2 * n, np.uint8) if n == nbytes // 2 and n < 5000 else None
     try:
         codec.decode(old, payload, "BF16", 2 * n if old is not None else nbytes)

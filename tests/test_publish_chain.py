@@ -54,16 +54,18 @@ async def test_chain_of_twelve_steps_rebuilds_every_snapshot_bit_exact(tmp_path)
 
 async def test_format_version_1_stores_with_codec_v1_payloads_still_rebuild(tmp_path) -> None:
     """Stores written before codec v2 (manifest format_version 1, DSC1 payloads) stay readable;
-    new stores are written as format_version 2 with DSC2 payloads."""
+    new stores are written as format_version 3 with DSC2 payloads (which may predict signs)."""
     from delta_swap.codec import CodecConfig
 
     steps = rl_steps(5)
-    old_store, new_store = tmp_path / "v1", tmp_path / "v2"
+    old_store, v2_store, new_store = tmp_path / "v1", tmp_path / "v2", tmp_path / "v3"
     ids = _publish(old_store, steps, base_every=10, codec=CodecConfig(version=1))
+    _publish(v2_store, steps, base_every=10, codec=CodecConfig(predict_signs=False))  # as format 2 wrote them
     _publish(new_store, steps, base_every=10)
     for sid in ids:
         _edit_manifest(old_store, sid, lambda d: d.update(format_version=1))
-    for root, magic, version in ((old_store, b"DSC1", 1), (new_store, b"DSC2", 2)):
+        _edit_manifest(v2_store, sid, lambda d: d.update(format_version=2))
+    for root, magic, version in ((old_store, b"DSC1", 1), (v2_store, b"DSC2", 2), (new_store, b"DSC2", 3)):
         for m in await ChainReader(FileStore(root)).list():
             assert m.format_version == version
             for shard in m.shards if m.kind == "delta" else ():
@@ -197,7 +199,7 @@ async def test_tampered_manifest_checksum_is_caught(chain) -> None:
     "edit, error, match",
     [
         (lambda d: d.update(format_version=99), FormatVersionError, "format version 99"),
-        (lambda d: d.update(format_version=3), FormatVersionError, "format version 3"),
+        (lambda d: d.update(format_version=4), FormatVersionError, "format version 4"),
         (lambda d: d.update(format_version=True), FormatVersionError, "format version True"),
         (lambda d: d["tensors"][0].update(shard="../../etc/passwd"), CorruptDataError, "invalid shard"),
         (lambda d: d["shards"][0].update(name="/abs/path"), CorruptDataError, "invalid shard"),

@@ -84,7 +84,7 @@ def decode(old: bytes | None, payload: bytes, dtype: str) -> bytes:
     if rd.take(4) != b"DSC2":
         raise Bad("magic")
     method, size, flags = rd.u8(), rd.u8(), rd.u8()
-    if size != SIZES[dtype] or flags != 0:
+    if size != SIZES[dtype] or flags not in (0, 1) or (flags == 1 and method != 1):
         raise Bad("header")
     nbytes = len(old) if old is not None else None
     n = rd.varint((nbytes // size) if nbytes is not None else 2**62)
@@ -166,7 +166,12 @@ def decode(old: bytes | None, payload: bytes, dtype: str) -> bytes:
     if sum(c["n_events"] for c in classes) + n_row_events > nbits:
         raise Bad("more codes than bits")
     bits = Bits(rd.take(-(-nbits // 8)), nbits)
-    signs = rd.take(-(-n_changed // 8))
+    model = None
+    if flags == 1:
+        model = _sign_model(rd, n, n_rows, row_len, n_changed)
+        signs = model["flips"]
+    else:
+        signs = rd.take(-(-n_changed // 8))
     rans_len = rd.varint(2**62)
     if rans_len % 2 or rans_len != len(payload) - rd.pos:
         raise Bad("rans length")
@@ -257,6 +262,8 @@ def decode(old: bytes | None, payload: bytes, dtype: str) -> bytes:
             raise Bad("more changes than announced")
         step = steps[c["first_value"] + used[ci]]
         used[ci] += 1
+        if model is not None and model["negative"](i // row_len, i % row_len):
+            step = -step  # the flip bit says "opposite of the prediction"
         u = old_bits[i]
         key = (u | sign) if not u & sign else full - u
         key += step
@@ -267,3 +274,75 @@ def decode(old: bytes | None, payload: bytes, dtype: str) -> bytes:
         if used[ci] != c["n_changes"] or c["last_event"] >= rank[ci]:
             raise Bad("class not fully used")
     return b"".join(b.to_bytes(size, "little") for b in new_bits)
+
+
+def _rans_symbols(words: list[int], freqs: list[int], count: int) -> list[int]:
+    """``count`` symbols of a rANS stream (FORMAT.md, "rANS"), with every check it names."""
+    cum = [sum(freqs[:s]) for s in range(len(freqs) + 1)]
+    if len(words) < 2:
+        raise Bad("rans")
+    x, wi = words[0] + 65536 * words[1], 2
+    if x < 1 << 16:
+        raise Bad("rans state")
+    out = []
+    for _ in range(count):
+        j = x % 4096
+        s = next(s for s in range(len(freqs)) if cum[s] <= j < cum[s + 1])
+        x = freqs[s] * (x // 4096) + j - cum[s]
+        if x < 1 << 16:
+            if wi >= len(words):
+                raise Bad("rans words")
+            x, wi = x * 65536 + words[wi], wi + 1
+        out.append(s)
+    if x != 1 << 16 or wi != len(words):
+        raise Bad("rans end")
+    return out
+
+
+def _sign_model(rd: Bytes, n: int, n_rows: int, row_len: int, n_changed: int) -> dict:
+    """The "Predicted signs" section: the flip bits (as sign bytes) and the prediction."""
+    if row_len % 64 or n_rows < 2 or n_rows * row_len != n or n_changed < 1:
+        raise Bad("sign model shape")
+    model = rd.u8()
+    rank, bits = model & 15, model >> 4
+    if not 1 <= rank <= 3 or bits not in (1, 2) or (bits == 1 and rank != 1):
+        raise Bad("sign model")
+    levels = [[1, 1, 1, 1] for _ in range(rank)]
+    if bits == 2:
+        levels = [[rd.u8() for _ in range(4)] for _ in range(rank)]
+        if any(v == 0 for lv in levels for v in lv):
+            raise Bad("level 0")
+
+    def entries(count: int, first_level: int) -> list[list[int]]:
+        raw = rd.take(-(-count * rank * bits // 8))
+        stream = Bits(raw, len(raw) * 8)
+        out = []
+        for _ in range(count):
+            row = []
+            for t in range(rank):
+                field = stream.field(bits)
+                mag = 1 if bits == 1 else levels[t][first_level + (field >> 1)]
+                row.append(-mag if field & 1 else mag)
+            out.append(row)
+        return out
+
+    rows, cols = entries(n_rows, 0), entries(row_len, 2)
+    f4 = [rd.varint(4096) for _ in range(16)]
+    if sum(f4) != 4096:
+        raise Bad("flip table sum")
+    f8 = [max(1, (f4[i % 16] * f4[i // 16] + 2048) // 4096) for i in range(256)]
+    top = f8.index(max(f8))
+    f8[top] += 4096 - sum(f8)
+    if f8[top] < 1:
+        raise Bad("flip byte table")
+    n_bytes = -(-n_changed // 8)
+    flips = bytearray(n_bytes)
+    for k in range(4):
+        flip_len = rd.varint(2**62)
+        if flip_len % 2 or flip_len < 4 or flip_len > len(rd.data) - rd.pos:
+            raise Bad("flip length")
+        words = [int.from_bytes(rd.take(2), "little") for _ in range(flip_len // 2)]
+        for i, symbol in enumerate(_rans_symbols(words, f8, len(range(k, n_bytes, 4)))):
+            flips[k + 4 * i] = symbol
+    return {"flips": bytes(flips),
+            "negative": lambda i, j: sum(a * b for a, b in zip(rows[i], cols[j])) < 0}

@@ -1,0 +1,230 @@
+"""Predicted signs for codec v2 ULP payloads: a low-rank model of a matrix's step signs.
+
+Why (benchmarks/README.md, "Predicted signs"): one step of Adam moves a weight matrix along its
+momentum, and the momentum of a linear layer is a sum of outer products (output error x input
+activation), dominated by a few of them. So the *signs* of a step's changes follow a low-rank
+pattern: sign(W[i, j] step) ~ sign(sum_t a[i, t] b[j, t]) for a few row factors ``a`` and column
+factors ``b``. With 1-3 factors of 1-2 bits per entry, 65-85% of the signs of a Qwen2-style
+matrix at lr 1e-5 agree with the prediction, and coding each sign as agree/disagree
+(an entropy-coded "flip" bit, see :mod:`delta_swap.codec_v2`) instead of a raw bit saves ~4% of
+the payload there. The model is stateless: it needs nothing but the payload itself.
+
+This module is the model: fitting it (encoder, numpy), its bytes in the payload, and the integer
+prediction both sides compute. A row's codes (``rank * bits`` <= 6 bits) and a column's take at
+most 64 values each, so the decoder tabulates the prediction once per payload: bit ``y`` of
+``table[x]`` says whether row codes ``x`` and column codes ``y`` predict a negative step
+(:func:`prediction_table`), and predicting a change costs one shift (:func:`predicted_negative`).
+The wire format is in docs/FORMAT.md ("Predicted signs").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numba as nb
+import numpy as np
+
+#: Payload flag (codec v2 header byte 6) of a ULP payload whose signs are predicted.
+FLAG_SIGN_MODEL = 1
+MAX_RANK = 3       # a row's or a column's codes fit in 6 bits: the prediction is one table bit
+ROW_ALIGN = 64       # rows must be a whole number of 64-element words (the select apply's unit)
+MIN_CHANGES = 4096   # fewer changes do not pay for the factors
+LEVEL_MAX = 255
+_OVERSAMPLE = 4
+_POWER_ITERATIONS = 1
+_REFINE_ROUNDS = 3
+_FIT_ELEMENTS = 1 << 20  # the SVD sees at most this many elements (every k-th row of a larger matrix)
+
+
+@dataclass(frozen=True)
+class SignModel:
+    """Factors as codes and integer levels: element (i, j) is predicted negative when the sum
+    over t of value(row_codes[i, t]) * value(col_codes[j, t]) is below 0 (docs/FORMAT.md)."""
+
+    rank: int
+    bits: int                 # 1: entries +-1 (rank 1 only); 2: entries +-lo or +-hi
+    levels: np.ndarray        # (rank, 4) uint8: row lo, row hi, col lo, col hi (bits == 2)
+    row_codes: np.ndarray     # (n_rows, rank) uint8 codes: bit 0 negative, bit 1 high level
+    col_codes: np.ndarray     # (row_len, rank)
+
+    def to_bytes(self) -> bytes:
+        """The model's bytes in a payload: model byte, levels, row codes, column codes."""
+        out = bytearray([(self.bits << 4) | self.rank])
+        if self.bits == 2:
+            out += self.levels.astype(np.uint8).tobytes()
+        return bytes(out) + _pack(self.row_codes, self.bits) + _pack(self.col_codes, self.bits)
+
+
+def _pack(codes: np.ndarray, bits: int) -> bytes:
+    """Entries in row-major order, ``bits`` each, LSB first."""
+    flat = codes.reshape(-1).astype(np.uint8)
+    planes = flat[:, None] >> np.arange(bits, dtype=np.uint8) & 1
+    return np.packbits(planes.reshape(-1), bitorder="little").tobytes()
+
+
+def section_size(n_rows: int, row_len: int, rank: int, bits: int) -> int:
+    """Bytes of a model's section (what :meth:`SignModel.to_bytes` writes)."""
+    return 1 + (4 * rank if bits == 2 else 0) + (n_rows * rank * bits + 7) // 8 + (row_len * rank * bits + 7) // 8
+
+
+def _int_levels(levels: np.ndarray) -> np.ndarray:
+    """Real levels (any positive scale) as integers 1..255 of the same ratios."""
+    top = float(levels.max())
+    if not top > 0:
+        return np.ones(levels.shape, np.uint8)
+    return np.clip(np.rint(LEVEL_MAX * levels / top), 1, LEVEL_MAX).astype(np.uint8)
+
+
+def _two_bit(x: np.ndarray) -> tuple[np.ndarray, float, float]:
+    """A factor vector as 2-bit codes (sign, above the median magnitude) and its two levels."""
+    mag = np.abs(x)
+    cut = float(np.median(mag))
+    high = mag > cut
+    lo = float(mag[~high].mean()) if (~high).any() else cut
+    hi = float(mag[high].mean()) if high.any() else lo
+    return ((x < 0) | (high << 1)).astype(np.uint8), lo, hi
+
+
+def _top_factors(m: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rank-``rank`` factors (u * sqrt(s), v * sqrt(s)) of m by a seeded randomized SVD."""
+    rng = np.random.default_rng(0)
+    q = m @ rng.standard_normal((m.shape[1], rank + _OVERSAMPLE), dtype=np.float32)
+    for _ in range(_POWER_ITERATIONS):
+        q, _ = np.linalg.qr(q)
+        q = m @ (m.T @ q)
+    q, _ = np.linalg.qr(q)
+    u, s, vt = np.linalg.svd(q.T @ m, full_matrices=False)
+    root = np.sqrt(s[:rank])
+    return (q @ u[:, :rank]) * root, vt[:rank].T * root
+
+
+
+def _flip_bits(flips: int, n: int) -> float:
+    """Bits to code n flip bits of which ``flips`` are set (ideal, i.i.d.; plus the table)."""
+    p = min(max(flips / n, 1e-9), 1 - 1e-9)
+    return n * -(p * np.log2(p) + (1 - p) * np.log2(1 - p)) + 8 * 20
+
+
+def _joined(codes: np.ndarray, bits: int) -> np.ndarray:
+    """(n, rank) codes as one code per row or column: factor t at bit t * bits."""
+    return (codes.astype(np.int64) << (bits * np.arange(codes.shape[1]))).sum(1)
+
+
+def _split(joined: np.ndarray, rank: int, bits: int) -> np.ndarray:
+    return ((joined[:, None] >> (bits * np.arange(rank))) & ((1 << bits) - 1)).astype(np.uint8)
+
+
+@nb.njit(nogil=True, cache=True)
+def _sign_balance(major, minor, minor_codes, negative, n_major, n_codes):
+    """(n_major, n_codes): per row (or column) and codes of the column (or row), its negative
+    changes minus its positive ones."""
+    out = np.zeros((n_major, n_codes), np.float32)
+    for i in range(major.size):
+        out[major[i], minor_codes[minor[i]]] += 1 if negative[i] else -1
+    return out
+
+
+@nb.njit(nogil=True, cache=True)
+def _predict(rows, cols, rc, cc, words):
+    """Per change, whether the model (joined codes rc, cc; prediction table words) predicts a
+    negative step."""
+    out = np.empty(rows.size, np.bool_)
+    for i in range(rows.size):
+        out[i] = (words[rc[rows[i]]] >> np.uint64(cc[cols[i]])) & np.uint64(1)
+    return out
+
+
+def _refine(model: SignModel, rows: np.ndarray, cols: np.ndarray,
+            negative: np.ndarray) -> tuple[SignModel, np.ndarray]:
+    """Better codes for the same levels: every row takes the codes that agree with most of its
+    changes' signs given the columns' codes, then every column given the rows' (exact, through
+    the prediction table); a few rounds. Only the columns' codes need a start (the SVD's, which
+    fits the signs' values, not their agreement). Returns the model and its predictions."""
+    n_codes = 1 << (model.rank * model.bits)
+    words = np.zeros(64, np.uint64)
+    prediction_table(model.levels.reshape(-1), model.rank, model.bits, words)
+    table = ((words[:n_codes, None] >> np.arange(n_codes, dtype=np.uint64)) & np.uint64(1)).astype(np.float32)
+    rc, cc = _joined(model.row_codes, model.bits), _joined(model.col_codes, model.bits)
+    n_rows, row_len = model.row_codes.shape[0], model.col_codes.shape[0]
+    # agreement of codes x = (changes) + sum over the other side's codes y of balance[y] * T[x, y],
+    # up to a constant: one product gives every candidate code of every row (column) at once
+    for _ in range(_REFINE_ROUNDS):
+        rc = np.argmax(_sign_balance(rows, cols, cc, negative, n_rows, n_codes) @ table.T, axis=1)
+        cc = np.argmax(_sign_balance(cols, rows, rc, negative, row_len, n_codes) @ table, axis=1)
+    refined = SignModel(model.rank, model.bits, model.levels, _split(rc, model.rank, model.bits),
+                        _split(cc, model.rank, model.bits))
+    return refined, _predict(rows, cols, rc, cc, words)
+
+
+def fit(signs: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> tuple[SignModel, np.ndarray] | None:
+    """The cheapest sign model of a matrix's changes, or None when raw sign bits are cheaper.
+
+    ``signs`` is the (n_rows, row_len) matrix of step signs (-1, 0 unchanged, +1); ``rows`` and
+    ``cols`` are the changed elements' coordinates. Returns the model and, per changed element,
+    whether it predicts a negative step."""
+    n = rows.size
+    n_rows, row_len = signs.shape
+    if n < MIN_CHANGES or row_len % ROW_ALIGN or n_rows < 2:
+        return None
+    negative = signs[rows, cols] < 0
+    sampled = signs[::max(1, signs.size // _FIT_ELEMENTS)].astype(np.float32)  # bounded memory
+    a, b = _top_factors(sampled, min(MAX_RANK, *sampled.shape))
+    no_rows = np.zeros((n_rows, 1), np.uint8)  # the refinement sets every row's codes first
+    candidates = [_refine(SignModel(1, 1, np.ones((1, 4), np.uint8), no_rows, (b[:, :1] < 0).astype(np.uint8)),
+                          rows, cols, negative)]  # +-1 per row and column
+    rank = a.shape[1]  # with two bits per entry, the most factors win (measured: benchmarks/README.md)
+    if rank > 1:
+        cc, lv = [], np.zeros((rank, 4))
+        for t in range(rank):
+            _, lv[t, 0], lv[t, 1] = _two_bit(a[:, t])
+            code, lv[t, 2], lv[t, 3] = _two_bit(b[:, t])
+            cc.append(code)
+        levels = np.concatenate([_int_levels(lv[:, :2]), _int_levels(lv[:, 2:])], axis=1)
+        model = SignModel(rank, 2, levels, np.zeros((n_rows, rank), np.uint8), np.stack(cc, 1))
+        candidates.append(_refine(model, rows, cols, negative))
+    best, best_bits, best_pred = None, float(n), None
+    for model, pred in candidates:
+        bits = _flip_bits(int(np.count_nonzero(pred != negative)), n) + 8 * section_size(n_rows, row_len, model.rank,
+                                                                                        model.bits)
+        if bits < best_bits:
+            best, best_bits, best_pred = model, bits, pred
+    if best is None or best_bits > n - 8 * 64:  # worth it only if it saves 64 bytes or more
+        return None
+    return best, best_pred
+
+
+@nb.njit(nogil=True, cache=True)
+def prediction_table(levels, rank, bits, out):
+    """out[x] (64 uint64): bit y set when row codes x and column codes y (``rank`` fields of
+    ``bits`` bits, factor t at bit t * bits) predict a negative step. ``levels``: the section's
+    (rank, 4) level bytes (row lo, row hi, col lo, col hi; unused for bits 1)."""
+    mask = (1 << bits) - 1
+    n_codes = 1 << (rank * bits)
+    rows = np.empty((rank, n_codes), np.int32)  # the entries' values, per factor and code
+    cols = np.empty((rank, n_codes), np.int32)
+    for t in range(rank):
+        for x in range(n_codes):
+            f = (x >> (t * bits)) & mask
+            a = 1 if bits == 1 else np.int32(levels[4 * t + (f >> 1)])
+            b = 1 if bits == 1 else np.int32(levels[4 * t + 2 + (f >> 1)])
+            rows[t, x] = -a if f & 1 else a
+            cols[t, x] = -b if f & 1 else b
+    acc = np.empty(n_codes, np.int32)  # |sum| <= 3 * 255 * 255: int32 is exact
+    out[:] = 0
+    for x in range(n_codes):
+        acc[:] = 0
+        for t in range(rank):
+            a = rows[t, x]
+            for y in range(n_codes):  # vectorises
+                acc[y] += a * cols[t, y]
+        word = np.uint64(0)
+        for y in range(n_codes):
+            word |= np.uint64(acc[y] < 0) << np.uint64(y)
+        out[x] = word
+
+
+@nb.njit(inline="always", nogil=True)
+def predicted_negative(row_table, col_code):
+    """0 or 1: the prediction at a column with codes ``col_code``, in a row whose table word is
+    ``row_table`` (``table[row codes]``)."""
+    return np.int64((row_table >> np.uint64(col_code)) & np.uint64(1))
