@@ -23,7 +23,8 @@ processes hits every method alike; the verdict compares ratios from the same run
 Entropy lines, as % of the model bytes: *order-0* = per tensor, binary entropy of the change mask
 + order-0 entropy of the signed ULP steps; *conditional* = what codec v2's model aims at: the
 change mask given the old element's exponent (and the changed-row flags where they pay), |step|-1
-given the exponent, one bit per sign. Model-table costs are not counted: they are limits.
+given the exponent, and per sign one bit or, where codec v2 fits a sign model (predicted signs),
+the binary entropy of its flips. Model-table costs are not counted: they are limits.
 
 Multi-core: one whole snapshot rebuilt by ``delta_swap.rebuild.apply_snapshot`` (threads over
 tensors: decode, then verify every checksum) with 1 thread and with every core this process may
@@ -57,7 +58,7 @@ import torch
 import zstandard
 
 from benchmarks.rl_corpus import CORPORA, StateDict, add_corpus_arguments, rl_checkpoints  # noqa: E402
-from delta_swap import codec  # noqa: E402
+from delta_swap import codec, codec_v2_signs  # noqa: E402
 from delta_swap.checksum import checksum  # noqa: E402
 
 METHODS = ("delta_swap", "delta_swap_v1", "arc_v3@1", "arc_v3@19", "arc_v2", "xor+zstd3")
@@ -255,7 +256,13 @@ def entropy_bits(t: torch.Tensor, u: torch.Tensor) -> tuple[float, float]:
         alive = m.reshape(rows, -1).any(1)
         positions = min(positions, position_bits(np.repeat(alive, shape[-1])) + _h2(rows, int(alive.sum())))
     mags = np.abs(d) - 1
-    values = sum(_h0(mags[e[m] == x]) for x in np.unique(e[m])) + k
+    sign_bits = float(k)
+    if len(shape) >= 2 and shape[-1] >= 256:
+        signs = np.sign(key_b - key_a).astype(np.int8).reshape(-1, shape[-1])
+        fitted = codec_v2_signs.fit(signs, *np.divmod(np.flatnonzero(m), shape[-1]))
+        if fitted is not None:
+            sign_bits = min(sign_bits, _h2(k, int(np.count_nonzero(fitted[1] != (d < 0)))))
+    values = sum(_h0(mags[e[m] == x]) for x in np.unique(e[m])) + sign_bits
     return order0, positions + values
 
 

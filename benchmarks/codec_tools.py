@@ -169,26 +169,28 @@ def numba_vs_c(cks: list[dict[str, torch.Tensor]], repeats: int = 5) -> dict[str
     for t in range(1, len(cks) - 1):
         for k in sorted(cks[t]):
             a, b = _raw(cks[t][k]), _raw(cks[t + 1][k])
-            payload = codec.encode_tensor_delta(a, b, "BF16", codec.CodecConfig(dense_fraction=2.0), shape=tuple(cks[t][k].shape))
+            payload = codec.encode_tensor_delta(a, b, "BF16", codec.CodecConfig(dense_fraction=2.0, predict_signs=False),
+                                                shape=tuple(cks[t][k].shape))  # the C walk has no sign model
             if payload[4] != codec_v2.METHOD_ULP:
                 continue
             scratch = codec_v2._Scratch()
-            sc = np.zeros(8, np.int64)
+            sc = np.zeros(12, np.int64)
             p = np.frombuffer(payload, np.uint8)
             pos = 7 + len(codec_v2._varint(a.size // 2))
-            err = codec_v2._parse_ulp(p, pos, a.size // 2, 8, 0xFFFF, scratch.i64, scratch.u8, sc)
+            err = codec_v2._parse_ulp(p, pos, a.size // 2, 8, 0xFFFF, 0, scratch.i64, scratch.u8, sc)
             if err == 2:
                 scratch.grow(int(sc[0]), int(sc[1]))
-                err = codec_v2._parse_ulp(p, pos, a.size // 2, 8, 0xFFFF, scratch.i64, scratch.u8, sc)
+                err = codec_v2._parse_ulp(p, pos, a.size // 2, 8, 0xFFFF, 0, scratch.i64, scratch.u8, sc)
             if err != 1:
                 continue
-            D, row_len, S, K, n_ev, n_changed, n_rows, o_ = (int(x) for x in sc)
+            D, row_len, S, K, n_ev, n_changed, n_rows, o_ = (int(x) for x in sc[:8])
             i64 = scratch.i64
             lut = i64[o_:o_ + 512]
             state = i64[o_ + 512:o_ + 512 + 5 * (K + 1)].copy()
             ev, vals = i64[:n_ev], i64[n_ev:n_ev + n_changed]
             row_dead = scratch.u8[:n_rows].copy() if n_rows else np.zeros(1, np.uint8)
             best = {"numba": float("inf"), "c": float("inf")}
+            no_table, no_codes = np.zeros(64, np.uint64), np.zeros(1, np.uint8)
             for _ in range(repeats):
                 for which in ("numba", "c"):
                     st = state.copy()
@@ -198,7 +200,7 @@ def numba_vs_c(cks: list[dict[str, torch.Tensor]], repeats: int = 5) -> dict[str
                     if which == "numba":
                         u = np.uint64
                         rc = codec_v2._WALKS["BF16"](out, lut.view(u), D, row_dead, row_len, cnt.view(u), evp.view(u), ev,
-                                                     vp.view(u), vend.view(u), vals)
+                                                     vp.view(u), vend.view(u), vals, no_table, no_codes, no_codes, 0, 1)
                     else:
                         rc = lib.walk_bf16(ptr(out), ctypes.c_int64(out.size), ptr(lut), ctypes.c_int64(D), ptr(row_dead),
                                            ctypes.c_int64(row_dead.size), ctypes.c_int64(row_len), ptr(cnt), ptr(evp),

@@ -5,7 +5,8 @@
 On codec_bench's corpora (``rl_corpus.py``), for every bf16 tensor of every checkpoint pair that
 has a previous pair, it codes the delta with codec v2 (the real payload size) and estimates the
 bits a static per-class model would save with more context, against v2's own model (a change
-rate per exponent class, 5 bytes per class record):
+rate per exponent class, 5 bytes per class record; raw sign bits, as v2 wrote them before
+predicted signs):
 
 * ``rows``: each matrix's rows in 2, 4 or 8 groups by their change rate (where that pays; 3 bits
   per row to name the group), one rate per exponent class and group;
@@ -95,7 +96,7 @@ def measure(checkpoints: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     out = {"v2_payload": 0.0, "rows": 0.0, "columns": 0.0, "previous": 0.0, "both": 0.0, "signs": 0.0,
            "values": 0.0}
     for shape, u, v, w in changed_bf16_triples(checkpoints):
-        payload = codec_v2.encode_delta(u.view(np.uint8), v.view(np.uint8), "BF16", shape)
+        payload = codec_v2.encode_delta(u.view(np.uint8), v.view(np.uint8), "BF16", shape, predict_signs=False)
         out["v2_payload"] += 8 * len(payload)
         step, previous = bf16_keys(v) - bf16_keys(u), bf16_keys(u) - bf16_keys(w)
         changed, changed_before = step != 0, (previous != 0).astype(np.int64)

@@ -267,7 +267,7 @@ def v2_value_bytes(u: np.ndarray, v: np.ndarray, shape: tuple[int, ...], full: b
     """(bytes v2's payload ``full`` spends on values, its decode seconds) for one tensor."""
     ku, kv = bf16_keys(u), bf16_keys(v)
     ones = codec_v1._ordered_unkey(np.where(kv != ku, ku + 1, ku).astype(np.uint16), 16)
-    bare = codec_v2.encode_delta(u.view(np.uint8), ones.view(np.uint8), "BF16", shape)
+    bare = codec_v2.encode_delta(u.view(np.uint8), ones.view(np.uint8), "BF16", shape, predict_signs=False)
     out = np.empty_like(u)
     seconds = []
     for _ in range(3):
@@ -285,7 +285,8 @@ def measure(checkpoints: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     for state in ("before", "bits"):
         out[state], out[state + "_seconds"] = 0, 0.0
     for shape, u, v, w in changed_bf16_triples(checkpoints):
-        payload = codec_v2.encode_delta(u.view(np.uint8), v.view(np.uint8), "BF16", shape)
+        # v2 with raw sign bits: this lever codes the signs itself (against the previous step)
+        payload = codec_v2.encode_delta(u.view(np.uint8), v.view(np.uint8), "BF16", shape, predict_signs=False)
         if payload[4] != 1:  # not a ULP payload (a full one was smaller)
             continue
         values, v2_seconds = v2_value_bytes(u, v, shape, payload)
