@@ -487,6 +487,26 @@ def _write_bits(buf, row_ev, row_m, ev, ev_off, ev_cnt, cls_m, vals, val_off, va
     return nbits
 
 
+@_inline
+def _rans_put(x, w, out, f, cum):
+    """One rANS encoding step (state x, symbol of frequency f and cumulative frequency cum),
+    renormalising into out[w - 1] downwards; returns (x, w)."""
+    fs = np.uint64(f)
+    if x >= (fs << np.uint64(20)):
+        w -= 1
+        out[w] = np.uint16(x & np.uint64(0xFFFF))
+        x >>= np.uint64(16)
+    return ((x // fs) << np.uint64(SCALE_BITS)) + (x % fs) + np.uint64(cum), w
+
+
+@_inline
+def _rans_flush(x, w, out):
+    """Store the final state below out[w] (low word first in decoding order); returns the new w."""
+    out[w - 1] = np.uint16(x >> np.uint64(16))
+    out[w - 2] = np.uint16(x & np.uint64(0xFFFF))
+    return w - 2
+
+
 @_jit
 def _rans_encode(vals, val_off, val_cnt, mag_mode, mag_par, freqs, freq_off, out):
     """Encode the table-mode magnitudes in reverse; returns the number of uint16 words written at
@@ -508,17 +528,8 @@ def _rans_encode(vals, val_off, val_cnt, mag_mode, mag_par, freqs, freq_off, out
             s = (d if d > 0 else -d) - 1
             if s > T - 1:
                 s = T - 1
-            fs = np.uint64(f[s])
-            if x >= (fs << np.uint64(20)):
-                w -= 1
-                out[w] = np.uint16(x & np.uint64(0xFFFF))
-                x >>= np.uint64(16)
-            x = ((x // fs) << np.uint64(SCALE_BITS)) + (x % fs) + np.uint64(cum[s])
-    w -= 1
-    out[w] = np.uint16(x >> np.uint64(16))
-    w -= 1
-    out[w] = np.uint16(x & np.uint64(0xFFFF))
-    return out.size - w
+            x, w = _rans_put(x, w, out, f[s], cum[s])
+    return out.size - _rans_flush(x, w, out)
 
 
 FLIP_STREAMS = 4  # the flip bytes are dealt to four rANS streams: byte i goes to stream i % 4
@@ -559,17 +570,8 @@ def _rans_encode_bytes(syms, freqs, out):
         cum[s + 1] = cum[s] + freqs[s]
     for j in range(syms.size - 1, -1, -1):
         s = syms[j]
-        fs = np.uint64(freqs[s])
-        if x >= (fs << np.uint64(20)):
-            w -= 1
-            out[w] = np.uint16(x & np.uint64(0xFFFF))
-            x >>= np.uint64(16)
-        x = ((x // fs) << np.uint64(SCALE_BITS)) + (x % fs) + np.uint64(cum[s])
-    w -= 1
-    out[w] = np.uint16(x >> np.uint64(16))
-    w -= 1
-    out[w] = np.uint16(x & np.uint64(0xFFFF))
-    return out.size - w
+        x, w = _rans_put(x, w, out, freqs[s], cum[s])
+    return out.size - _rans_flush(x, w, out)
 
 
 # =====================================================================================  decoder kernels
@@ -1105,8 +1107,7 @@ def _parse_ulp(p, pos, n, exp_bits, max_mag, flags, i64s, u8s, sc):
                     u8s[codes_at8 + n_rows:codes_at8 + n_rows + row_len])
         sign_model.prediction_table(p[lv_at:lv_at + (4 * sm_rank if sm_bits == 2 else 0)], sm_rank, sm_bits,
                                     i64s[table_at:table_at + 64].view(np.uint64))
-        signs = u8s[signs_at:signs_at + n_sign]
-        signs[:] = 0
+        signs = u8s[signs_at:signs_at + n_sign]  # _dec_flips writes every byte
         err = _dec_flips(p, fl_at, fl_len, fl_freqs, n_sign, signs)
         if err:
             return err

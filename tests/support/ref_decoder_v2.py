@@ -202,31 +202,18 @@ def decode(old: bytes | None, payload: bytes, dtype: str) -> bytes:
         c["events"] = set(ranks)
         c["last_event"] = rank
     # magnitudes (bitstream part and rANS), in values order
-    x = 0
-    if words:
-        if len(words) < 2:
-            raise Bad("rans")
-        x, wi = words[0] + 65536 * words[1], 2
-        if x < 1 << 16:
-            raise Bad("rans state")
+    rans = Rans(words) if words else None
     steps = []
     k = 0
     for c in classes:
         c["first_value"] = k
-        cum = [sum(c["freqs"][:s]) for s in range(len(c["freqs"]) + 1)]
         for _ in range(c["n_changes"]):
             if c["mode"] == 0:
                 mag = 0
             elif c["mode"] == 1:
                 mag = bits.golomb(c["mag_m"])
             else:
-                j = x % 4096
-                s = next(s for s in range(len(c["freqs"])) if cum[s] <= j < cum[s + 1])
-                x = c["freqs"][s] * (x // 4096) + j - cum[s]
-                if x < 1 << 16:
-                    if wi >= len(words):
-                        raise Bad("rans words")
-                    x, wi = x * 65536 + words[wi], wi + 1
+                s = rans.symbol(c["freqs"])
                 mag = s
                 if s == len(c["freqs"]) - 1:
                     length = bits.field(6)
@@ -238,8 +225,8 @@ def decode(old: bytes | None, payload: bytes, dtype: str) -> bytes:
             negative = (signs[k // 8] >> (k % 8)) & 1
             steps.append(-(mag + 1) if negative else mag + 1)
             k += 1
-    if words and (x != 1 << 16 or wi != len(words)):
-        raise Bad("rans end")
+    if rans:
+        rans.end()
     if bits.pos != nbits:
         raise Bad("bitstream length")
     # apply
@@ -276,26 +263,39 @@ def decode(old: bytes | None, payload: bytes, dtype: str) -> bytes:
     return b"".join(b.to_bytes(size, "little") for b in new_bits)
 
 
-def _rans_symbols(words: list[int], freqs: list[int], count: int) -> list[int]:
-    """``count`` symbols of a rANS stream (FORMAT.md, "rANS"), with every check it names."""
-    cum = [sum(freqs[:s]) for s in range(len(freqs) + 1)]
-    if len(words) < 2:
-        raise Bad("rans")
-    x, wi = words[0] + 65536 * words[1], 2
-    if x < 1 << 16:
-        raise Bad("rans state")
-    out = []
-    for _ in range(count):
-        j = x % 4096
+class Rans:
+    """A rANS stream (FORMAT.md, "rANS"), with every check it names."""
+
+    def __init__(self, words: list[int]) -> None:
+        if len(words) < 2:
+            raise Bad("rans")
+        self.words, self.x, self.wi = words, words[0] + 65536 * words[1], 2
+        if self.x < 1 << 16:
+            raise Bad("rans state")
+
+    def symbol(self, freqs: list[int]) -> int:
+        if freqs is not getattr(self, "freqs", None):  # cum_s of this table, computed once
+            self.freqs, self.cum = freqs, [sum(freqs[:s]) for s in range(len(freqs) + 1)]
+        cum = self.cum
+        j = self.x % 4096
         s = next(s for s in range(len(freqs)) if cum[s] <= j < cum[s + 1])
-        x = freqs[s] * (x // 4096) + j - cum[s]
-        if x < 1 << 16:
-            if wi >= len(words):
+        self.x = freqs[s] * (self.x // 4096) + j - cum[s]
+        if self.x < 1 << 16:
+            if self.wi >= len(self.words):
                 raise Bad("rans words")
-            x, wi = x * 65536 + words[wi], wi + 1
-        out.append(s)
-    if x != 1 << 16 or wi != len(words):
-        raise Bad("rans end")
+            self.x, self.wi = self.x * 65536 + self.words[self.wi], self.wi + 1
+        return s
+
+    def end(self) -> None:
+        if self.x != 1 << 16 or self.wi != len(self.words):
+            raise Bad("rans end")
+
+
+def _rans_symbols(words: list[int], freqs: list[int], count: int) -> list[int]:
+    """``count`` symbols of a rANS stream that must end with them."""
+    rans = Rans(words)
+    out = [rans.symbol(freqs) for _ in range(count)]
+    rans.end()
     return out
 
 
