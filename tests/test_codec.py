@@ -16,7 +16,7 @@ from delta_swap import codec, codec_v1, codec_v2
 from delta_swap.checksum import checksum
 from delta_swap.dtypes import DTYPE_SIZES
 from delta_swap.errors import CorruptDataError
-from tests.support import codec_fixtures
+from tests.support import codec_fixtures, pageout
 
 V1 = codec.CodecConfig(version=1)
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -411,6 +411,10 @@ def test_server_warm_up_pages_llvm_out_once_the_kernels_are_loaded() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     loaded, after, after_decoding = map(int, done.stdout.split()[-3:])
     assert loaded > 20_000, loaded  # kB: the kernels' load ran LLVM
+    if after >= loaded / 4:  # pages stayed: the host's fault (reported) or the warm-up's (failed)
+        why = pageout.why_pages_stay("llvmlite")
+        if why is not None:
+            pytest.skip(f"LLVM stayed resident ({after} of {loaded} kB) because {why}")
     assert after < loaded / 4 and after_decoding < loaded / 4, (loaded, after, after_decoding)
 
 
