@@ -33,6 +33,14 @@ class DrainPolicy(str, Enum):
     ABORT = "abort"  # abort running requests, swap
 
 
+class SwapPath(str, Enum):
+    """Which swap path a server takes (``Settings.swap_path``)."""
+
+    AUTO = "auto"      # arena where the engine's parameters are plain host tensors, else reload
+    ARENA = "arena"    # ask the engine for plain parameters where it allows it; reload where it cannot
+    RELOAD = "reload"  # always the engine's own loader
+
+
 def _default_staging_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
@@ -87,6 +95,13 @@ class Settings:
     max_step_jump: int = 1_000_000
     """Refuse a newest snapshot more than this many steps ahead of the one served (a runaway or
     forged step number)."""
+
+    swap_path: SwapPath = SwapPath.AUTO
+    """How updates reach the engine: auto (arena where the engine's parameters are plain host
+    tensors, else the engine's own loader), arena (also asks an engine that would repack its weights
+    for plain ones where it can, e.g. vLLM on CPUs with AMX or AVX512-BF16: a faster swap, slower
+    matrix products), reload (always the engine's own loader). The status says which path each
+    swap took and why."""
 
     #: Extra flag spellings accepted for a field (kept for command lines written before the rename).
     FLAG_ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {"store": ("--delta-swap-source",)}
@@ -145,7 +160,8 @@ def _shown(default: Any) -> str:
 
 def _converter(annotation: str) -> Callable[[Any], Any]:
     base = annotation.replace(" | None", "").replace("None | ", "")
-    return {"str": str, "float": float, "int": int, "bool": _boolean, "DrainPolicy": DrainPolicy}[base]
+    return {"str": str, "float": float, "int": int, "bool": _boolean, "DrainPolicy": DrainPolicy,
+            "SwapPath": SwapPath}[base]
 
 
 def _boolean(value: Any) -> bool:

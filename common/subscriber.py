@@ -238,9 +238,18 @@ class Subscriber:
         for phase, seconds in timings.items():
             self._metrics.phase_seconds.labels(phase).observe(seconds)
         self._last_error = None
-        log.info("delta-swap: now serving %s (step %d): %s", target.snapshot_id, target.step,
-                 ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in timings.items()))
+        log.info("delta-swap: now serving %s (step %d) via the %s path: %s", target.snapshot_id, target.step,
+                 await self._swap_path(), ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in timings.items()))
         return True
+
+    async def _swap_path(self) -> str:
+        """The adapter's swap path and why, for the log (``?`` when it cannot say)."""
+        try:
+            details = await self.adapter.describe()
+        except Exception:
+            return "?"
+        reason = details.get("swap_path_reason")
+        return f"{details.get('swap_path') or '?'}{f' ({reason})' if reason else ''}"
 
     def _max_model_bytes(self) -> int | None:
         if self.settings.max_model_bytes is not None:

@@ -73,12 +73,15 @@ class SglangAdapter(EngineAdapter):
         #: The two weight arenas, on the arena path (None: the tensor path, or not read yet).
         self.arenas: ArenaPair | None = None
         self._described = False
+        #: Why this server swaps the way it does (shown in the status).
+        self.path_reason: str | None = None
 
     async def weight_version(self) -> str | None:
         return self.tm.config_value("weight_version")
 
     async def describe(self) -> dict[str, Any]:
-        return {"swap_path": "arena" if self.arenas else ("tensor" if self._described else None)}
+        return {"swap_path": "arena" if self.arenas else ("tensor" if self._described else None),
+                "swap_path_reason": self.path_reason}
 
     async def destination(self, specs: TensorSpecs) -> StateDict | None:
         if not self._described:
@@ -88,12 +91,14 @@ class SglangAdapter(EngineAdapter):
                 doc = json.loads(Path(layout_file).read_text()) if layout_file else {"layout": None}
             except (OSError, ValueError):
                 doc = {"layout": None, "reason": "the scheduler wrote no layout"}
+            self.path_reason = doc.get("reason") or ("parameters are plain host tensors" if doc["layout"] else None)
             if doc["layout"]:
                 layout = ArenaLayout.from_json(doc["layout"])
                 try:
                     self.arenas = await asyncio.to_thread(ArenaPair, self.settings.staging_dir, layout)
                     log.info("delta_swap: swapping by reference between two %.1f MB weight arenas", layout.nbytes / 1e6)
                 except EngineError as exc:  # e.g. no room in the staging folder: the slower path still works
+                    self.path_reason = f"no weight arenas: {exc}"
                     log.warning("delta_swap: no weight arenas (%s); falling back to the %s path", exc, "tensor")
             else:
                 log.info("delta_swap: loading changed tensors on each swap (%s)", doc.get("reason"))

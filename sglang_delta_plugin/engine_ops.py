@@ -51,8 +51,11 @@ def describe_after_init(result: Any, scheduler: Any, server_args: Any, *args: An
 def _describe(scheduler: Any, server_args: Any) -> tuple[Any, str]:
     from delta_swap.checkpoint_dir import read_checkpoint_dir
     from delta_swap.served_model import ServedModel
+    from delta_swap.settings import Settings, SwapPath
     from delta_swap.torch_params import check_matches, plan_layout
 
+    if Settings.load().swap_path is SwapPath.RELOAD:  # the HTTP server process exported it
+        return None, "--delta-swap-swap-path reload"
     if (getattr(server_args, "tp_size", 1) or 1) != 1:
         return None, "tensor parallelism: every rank holds its own shard"
     model = scheduler.tp_worker.model_runner.model

@@ -37,6 +37,7 @@ def enable_engine_ops(server_args: Any) -> None:
     if LOADER not in loaders:
         server_args.custom_weight_loader = [*loaders, LOADER]
     os.environ[LAYOUT_FILE_ENV] = str(Path(settings.staging_dir) / f"delta-swap-layout-{os.getpid()}.json")
+    os.environ[Settings.env_name("swap_path")] = settings.swap_path.value  # read by the scheduler
 
 
 def install(app: Any, server_args: Any) -> None:
