@@ -6,8 +6,10 @@ Two paths, chosen once per server from what the workers report (``describe``):
   are decoded straight into the spare one of two shared-memory weight arenas laid out like the
   engine's parameters, and the swap points every parameter at it (``commit``): the pause does not
   grow with the model, and the spare arena is the only copy delta-swap adds;
-* **reload** (everywhere else): the changed tensors, completed to whole fused groups, are staged as
-  one safetensors file in shared memory and loaded through vLLM's layerwise reload.
+* **reload** (everywhere else, or with ``DELTA_SWAP_SWAP_PATH=reload``): the changed tensors,
+  completed to whole modules (:mod:`.module_groups`: fused q/k/v and gate/up with their biases,
+  every expert of an MoE layer), are staged as one safetensors file in shared memory and loaded
+  through vLLM's layerwise reload.
 
 Either way the swap drives vLLM's RL weight-update API (``start_weight_update`` /
 ``update_weights`` / ``finish_weight_update`` with the snapshot id as weight version, through the
@@ -34,10 +36,10 @@ from delta_swap.engine_adapter import EngineAdapter, WeightUpdate
 from delta_swap.errors import EngineError
 from delta_swap.safetensors_io import write_safetensors
 from delta_swap.served_model import ServedModel
-from delta_swap.settings import DrainPolicy, Settings
+from delta_swap.settings import DrainPolicy, Settings, SwapPath
 from delta_swap.tensors import StateDict, TensorSpecs
 
-from .fused import fused_group_members
+from .module_groups import complete_modules, module_groups
 
 log = logging.getLogger("vllm_delta_plugin")
 
@@ -77,6 +79,9 @@ class VllmAdapter(EngineAdapter):
         #: The two weight arenas, on the arena path (None: the reload path, or not described yet).
         self.arenas: ArenaPair | None = None
         self._described = False
+        #: Why this server swaps the way it does (shown in the status).
+        self.path_reason: str | None = None
+        self._groups: dict[str, list[str]] = module_groups(served.specs, packed or {})
         self._drain = settings.drain
 
     @classmethod
@@ -88,7 +93,8 @@ class VllmAdapter(EngineAdapter):
         return await self.engine.get_weight_version()
 
     async def describe(self) -> dict[str, Any]:
-        return {"swap_path": "arena" if self.arenas else ("reload" if self._described else None)}
+        return {"swap_path": "arena" if self.arenas else ("reload" if self._described else None),
+                "swap_path_reason": self.path_reason}
 
     async def _call(self, info: dict[str, Any], version: str | None = None) -> None:
         """One operation of the workers' ``delta_swap`` backend, in its own weight-update session;
@@ -110,15 +116,23 @@ class VllmAdapter(EngineAdapter):
                 doc = json.loads(output.read_text())
             finally:
                 output.unlink(missing_ok=True)
+            if doc.get("packed") is not None:  # the workers' mapping, which may extend the class's
+                self.packed = {k: list(v) for k, v in doc["packed"].items()}
+                self._groups = module_groups(self.served.specs, self.packed)
+            self.path_reason = doc["reason"]
             if doc["layout"]:
                 layout = ArenaLayout.from_json(doc["layout"])
                 try:
                     self.arenas = await asyncio.to_thread(ArenaPair, self.settings.staging_dir, layout)
                     log.info("delta_swap: swapping by reference between two %.1f MB weight arenas", layout.nbytes / 1e6)
                 except EngineError as exc:  # e.g. no room in the staging folder: the slower path still works
+                    self.path_reason = f"no weight arenas: {exc}"
                     log.warning("delta_swap: no weight arenas (%s); falling back to the %s path", exc, "reload")
             else:
                 log.info("delta_swap: reloading changed tensors on each swap (%s)", doc["reason"])
+            if self.settings.swap_path is SwapPath.ARENA and self.arenas is None:
+                log.warning("delta_swap: DELTA_SWAP_SWAP_PATH=arena, but this engine cannot swap by reference (%s): "
+                            "reloading instead", self.path_reason)
         if self.arenas is None or specs != self.arenas.layout.specs:
             return None
         return await asyncio.to_thread(self.arenas.spare_tensors)
@@ -133,7 +147,7 @@ class VllmAdapter(EngineAdapter):
         if self.packed is None:
             names = sorted(update.state)
         else:
-            names = sorted(fused_group_members(update.names, self.packed) & update.state.keys())
+            names = sorted(complete_modules(update.names, self._groups, self.packed) & update.state.keys())
         path = os.path.join(self.settings.staging_dir,
                             f"delta-swap-{os.getpid()}-{update.version}-{uuid.uuid4().hex[:8]}.safetensors")
 
