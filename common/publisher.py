@@ -122,12 +122,19 @@ class Publisher:
     # ------------------------------------------------------------------ caller side
 
     def publish(
-        self, step: int, tensors: Mapping[str, Any], *, force_base: bool = False, metadata: Mapping[str, str] | None = None
+        self, step: int, tensors: Mapping[str, Any] | Any, *, force_base: bool = False, metadata: Mapping[str, str] | None = None
     ) -> str:
         """Queue ``tensors`` (torch tensors or numpy arrays, serving dtype, HF names) as ``step``.
 
+        ``tensors`` may be a transformers model, or its ``state_dict()``: tied aliases are dropped
+        and fused in-memory weights split back into checkpoint names (see
+        :mod:`delta_swap.integrations.hf_names`); a mapping whose names no checkpoint holds raises
+        ConfigError here, on the trainer, rather than being refused by every server.
         Returns the snapshot id at once; blocks only while ``max_pending`` steps are queued.
         """
+        from .integrations.hf_names import check_checkpoint_names, checkpoint_tensors, is_transformers_model
+
+        tensors = checkpoint_tensors(tensors) if is_transformers_model(tensors) else check_checkpoint_names(tensors)
         self._raise_pending_error()
         if self._closed:
             raise PublishError("publisher is closed")

@@ -20,6 +20,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from ..publisher import Publisher, PublisherConfig
+from .hf_names import checkpoint_tensors, is_transformers_model
 from .sharded import owned_tensors
 
 
@@ -49,7 +50,9 @@ class DeltaSwapCallback(TrainerCallback):
         publisher = self._publisher()
         named = list(model.state_dict().items())
         cfg = publisher.config
-        publisher.publish(step, owned_tensors(named, cfg.rank, cfg.world_size, self.dtype))
+        owned = owned_tensors(named, cfg.rank, cfg.world_size, self.dtype)
+        # checkpoint names: tied aliases dropped, fused in-memory weights split as save_pretrained does
+        publisher.publish(step, checkpoint_tensors(model, owned.items()) if is_transformers_model(model) else owned)
 
     def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         if model is not None and state.global_step % self.every == 0:
