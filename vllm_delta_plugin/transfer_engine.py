@@ -6,6 +6,7 @@
   shared-memory arenas in that layout, or completes them to whole modules for ``load``;
 * ``commit``: point every parameter at the arena file ``path`` (a reference swap, O(#parameters)):
   the arena path, used where parameters are plain host tensors (vLLM's CPU fallback for bf16);
+* ``verify``: read back the modules the last ``load`` of ``path`` reloaded (:mod:`.verify`);
 * ``load`` (default): load the tensors of a staged safetensors file or checkpoint folder through
   vLLM's layerwise reload, which works after CPU (oneDNN, AMX) or GPU post-load processing has
   repacked the weights: the reload path, used everywhere else. Modules that share a parameter
@@ -40,12 +41,14 @@ from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, i
 from delta_swap.arena import Arena, ArenaLayout
 from delta_swap.checkpoint_dir import read_checkpoint_dir
 from delta_swap.dtypes import from_torch_dtype
-from delta_swap.errors import IncompatibleSnapshotError
+from delta_swap.errors import ChecksumMismatchError, IncompatibleSnapshotError
 from delta_swap.served_model import ServedModel
 from delta_swap.settings import Settings, SwapPath
 from delta_swap.torch_params import check_matches, plan_layout, point_parameters
 
 from .module_groups import complete_modules, module_groups, module_of
+from .verify import modules_sharing_parameters_with as _modules_sharing_parameters_with
+from .verify import verify_modules
 
 log = logging.getLogger("vllm_delta_plugin")
 
@@ -114,6 +117,8 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             self._commit(update_info.path)
         elif update_info.op == "load":
             self._load(update_info)
+        elif update_info.op == "verify":
+            self._verify(update_info)
         else:
             raise ValueError(f"delta_swap: unknown operation {update_info.op!r}")
 
@@ -164,6 +169,24 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
                 raise
         log.info("delta_swap: loaded %d tensors in %.3fs", len(weights), time.perf_counter() - started)
 
+    def _verify(self, update_info: DeltaSwapUpdateInfo) -> None:
+        """Read back the modules a ``load`` just reloaded (and those sharing a parameter with
+        them) through the engine's own kernels; raise if any computes with other values."""
+        started = time.perf_counter()
+        published = dict(_read_tensors(update_info.path, set(update_info.names)))
+        with set_current_vllm_config(self.vllm_config), torch.inference_mode():
+            try:
+                checks = verify_modules(self.model, published, self._packed)
+            except ChecksumMismatchError:
+                raise
+            except Exception as exc:  # a layout the check does not know: say so, never pass silently
+                raise ChecksumMismatchError(f"delta_swap: cannot read back the swapped modules: "
+                                            f"{type(exc).__name__}: {exc}") from exc
+        seconds = time.perf_counter() - started
+        log.info("delta_swap: verified %d modules against the snapshot in %.1f ms", checks, 1000 * seconds)
+        if update_info.output:
+            Path(update_info.output).write_text(json.dumps({"checks": checks, "seconds": seconds}))
+
     def _validate(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         self._served.check_fits({name: (from_torch_dtype(t.dtype), tuple(t.shape)) for name, t in weights},
                                 complete=False)
@@ -186,6 +209,9 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
                 if method is not None and hasattr(method, "process_weights_after_loading"):
                     method.process_weights_after_loading(module)
                     log.info("delta_swap: processed %s again (it shares weights with a reloaded module)", path)
+            for path, experts in _reloaded_cpu_experts(self.model, self._touched):
+                experts.process_weights_after_loading(self.model.get_submodule(path))
+                log.info("delta_swap: prepacked the reloaded experts of %s for the CPU kernel", path)
         self._active = False
         self._touched = set()
 
@@ -193,15 +219,21 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         pass
 
 
-def _modules_sharing_parameters_with(model: torch.nn.Module, touched: set[str]) -> list[tuple[str, torch.nn.Module]]:
-    """Modules not in ``touched`` that hold a parameter object also held by a module in ``touched``
-    (tied embeddings: ``lm_head`` holds ``embed_tokens.weight``)."""
-    holders: dict[int, list[tuple[str, torch.nn.Module]]] = {}
-    for path, module in model.named_modules(remove_duplicate=False):
-        for param in module.parameters(recurse=False):
-            holders.setdefault(id(param), []).append((path, module))
-    out: dict[str, torch.nn.Module] = {}
-    for group in holders.values():
-        if len(group) > 1 and any(path in touched for path, _ in group):
-            out.update((path, module) for path, module in group if path not in touched)
-    return sorted(out.items(), key=lambda item: item[0])
+def _reloaded_cpu_experts(model: torch.nn.Module, touched: set[str]) -> list[tuple[str, Any]]:
+    """(path, experts kernel) of every reloaded MoE module whose CPU experts kernel prepacks its
+    weights after loading. vLLM runs that prepack only on the first load: on a weight update it
+    copies the plain reloaded weights into the prepacked storage (RoutedExperts' ``_setup_kernel``),
+    and the CPU kernel then reads them as garbage."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return []
+    out = []
+    for path, module in model.named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is None or not hasattr(experts, "process_weights_after_loading"):
+            continue
+        if any(path == t or path.startswith(t + ".") or t.startswith(path + ".") for t in touched):
+            out.append((path, experts))
+    return out
