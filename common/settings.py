@@ -96,6 +96,11 @@ class Settings:
     """Refuse a newest snapshot more than this many steps ahead of the one served (a runaway or
     forged step number)."""
 
+    verify_swaps: bool = True
+    """After every swap, before the engine generates again, read back what it computes with (a
+    bounded sample per module, through the engine's own layout) and roll back on any difference
+    (vLLM's reload path)."""
+
     swap_path: SwapPath = SwapPath.AUTO
     """How updates reach the engine: auto (arena where the engine's parameters are plain host
     tensors, else the engine's own loader), arena (also asks an engine that would repack its weights

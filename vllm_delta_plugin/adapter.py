@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from delta_swap.served_model import ServedModel
 from delta_swap.settings import DrainPolicy, Settings, SwapPath
 from delta_swap.tensors import StateDict, TensorSpecs
 
-from .module_groups import complete_modules, module_groups
+from .module_groups import complete_modules, module_groups, module_of
 
 log = logging.getLogger("vllm_delta_plugin")
 
@@ -50,6 +51,10 @@ class StagedFile:
 
     path: str
     names: list[str]
+    #: The file the post-swap verification reads: every tensor of the modules the update touches
+    #: (the same file when the update already holds them all).
+    verify_path: str | None = None
+    verify_names: list[str] | None = None
 
 
 def packed_modules_of(vllm_config: Any) -> Mapping[str, Sequence[str]] | None:
@@ -81,6 +86,8 @@ class VllmAdapter(EngineAdapter):
         self._described = False
         #: Why this server swaps the way it does (shown in the status).
         self.path_reason: str | None = None
+        #: What the workers checked after the last reload ({"checks": modules, "seconds": ...}).
+        self.last_verification: dict[str, Any] | None = None
         self._groups: dict[str, list[str]] = module_groups(served.specs, packed or {})
         self._drain = settings.drain
 
@@ -94,7 +101,7 @@ class VllmAdapter(EngineAdapter):
 
     async def describe(self) -> dict[str, Any]:
         return {"swap_path": "arena" if self.arenas else ("reload" if self._described else None),
-                "swap_path_reason": self.path_reason}
+                "swap_path_reason": self.path_reason, "last_verification": self.last_verification}
 
     async def _call(self, info: dict[str, Any], version: str | None = None) -> None:
         """One operation of the workers' ``delta_swap`` backend, in its own weight-update session;
@@ -102,8 +109,13 @@ class VllmAdapter(EngineAdapter):
         await self.engine.start_weight_update()
         try:
             await self.engine.update_weights(WeightTransferUpdateRequest(update_info=info))
-        finally:
-            await self.engine.finish_weight_update()
+        except BaseException:
+            try:  # vLLM may have ended the session itself: its complaint must not hide the cause
+                await self.engine.finish_weight_update()
+            except Exception as exc:
+                log.debug("delta_swap: finish_weight_update after a failed update: %s", exc)
+            raise
+        await self.engine.finish_weight_update()
         if version is not None:
             await self.engine.update_weight_version(version)
 
@@ -151,16 +163,23 @@ class VllmAdapter(EngineAdapter):
         path = os.path.join(self.settings.staging_dir,
                             f"delta-swap-{os.getpid()}-{update.version}-{uuid.uuid4().hex[:8]}.safetensors")
 
+        # What the verification compares with: whole modules, computed apart from the completion above.
+        touched = {module_of(n, self.packed or {}) for n in names}
+        check = sorted(n for n in update.state if module_of(n, self.packed or {}) in touched)
+        check_path = path if check == names else path.replace(".safetensors", ".verify.safetensors")
+
         def write() -> None:
-            with open(path, "wb") as fh:
-                write_safetensors(fh, [(n, update.state[n]) for n in names])
+            for file, tensors in {path: names, check_path: check}.items():
+                with open(file, "wb") as fh:
+                    write_safetensors(fh, [(n, update.state[n]) for n in tensors])
 
         await asyncio.to_thread(write)
-        return StagedFile(path, names)
+        return StagedFile(path, names, check_path, check)
 
     async def unstage(self, staged: StagedFile | Arena) -> None:
         if isinstance(staged, StagedFile):
-            os.unlink(staged.path)
+            for file in {staged.path, staged.verify_path or staged.path}:
+                os.unlink(file)
 
     async def close(self) -> None:
         if self.arenas is not None:  # the workers keep their mappings until they exit
@@ -192,7 +211,11 @@ class VllmAdapter(EngineAdapter):
             assert self.arenas is not None
             self.arenas.live = staged
         else:
-            await self._call({"op": "load", "path": staged.path, "names": staged.names}, update.version)
+            await self._call({"op": "load", "path": staged.path, "names": staged.names})
+            if self.settings.verify_swaps:  # before the engine generates on the new weights
+                await self._verify(staged)
+            if update.version is not None:
+                await self.engine.update_weight_version(update.version)
         # No new request may reuse KV computed with the old weights: drop the prefix cache. Requests
         # kept in place recompute theirs if asked; else they keep it and their blocks stay, so the
         # reset cannot succeed (vLLM would log a warning at every swap) and is not tried: the
@@ -203,6 +226,22 @@ class VllmAdapter(EngineAdapter):
         reset = await self.engine.reset_prefix_cache(reset_running_requests=not keep_kv)
         if not reset and not keep_kv:
             raise EngineError("vllm: refused to reset its prefix cache after a weight update")
+
+    async def _verify(self, staged: StagedFile) -> None:
+        """Have the workers read back what they now compute with (raises on any difference)."""
+        output = staged.path + ".verified.json"
+        try:
+            await self._call({"op": "verify", "path": staged.verify_path or staged.path,
+                              "names": staged.verify_names or staged.names, "output": output})
+            self.last_verification = json.loads(Path(output).read_text())
+        finally:
+            Path(output).unlink(missing_ok=True)
+
+    def engine_error(self, exc: Exception) -> EngineError:
+        """vLLM wraps a worker's exception in two layers of text; keep the worker's own message."""
+        text = str(exc)
+        inner = re.search(r"Worker failed with error '(.*)', please check", text, re.S)
+        return EngineError(f"vllm: {inner.group(1) if inner else f'{type(exc).__name__}: {text}'}")
 
     def _requests_in_flight(self) -> bool:
         count = getattr(self.engine, "get_num_unfinished_requests", None)

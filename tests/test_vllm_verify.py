@@ -1,0 +1,48 @@
+"""The post-swap verification on vLLM's reload path catches each engine bug that delta-swap works
+around, when that workaround is taken out (tests/support/revert_fixes puts the bug back inside the
+server's processes): the swap is refused before the engine generates on it, and the status names
+the tensor."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from delta_swap.testing.engine_exactness import PARTIAL_DELTAS
+from examples.servers import vllm as vllm_server
+from examples.tiny_model import make_tiny_model, perturb_weights
+from tests.support.rollout_scenarios import publish_dirs, status, wait_for
+
+pytestmark = pytest.mark.engine
+
+REVERT_FIXES = Path(__file__).parent / "support" / "revert_fixes"
+
+
+@pytest.mark.parametrize(("family", "fix", "named"), [
+    ("qwen3", "tied", "lm_head"),
+    ("qwen3_moe", "experts", "mlp.experts"),
+    ("qwen2", "modules", "qkv_proj"),
+])
+def test_verification_catches_the_bug_a_reverted_fix_lets_through(family, fix, named, tmp_path) -> None:
+    base = make_tiny_model(tmp_path / "A", family=family)
+    what, only = PARTIAL_DELTAS[family][0]
+    step1 = perturb_weights(base, tmp_path / "B", only=only, seed=1)
+    store = tmp_path / "store"
+    publish_dirs(store, [(0, base)], None)
+    env = {"DELTA_SWAP_REVERT_FIXES": fix,
+           "PYTHONPATH": os.pathsep.join([str(REVERT_FIXES), os.environ.get("PYTHONPATH", "")])}
+    settings = {"store": store.as_uri(), "poll_interval": 0.2, "drain": "wait", "swap_path": "reload"}
+    server = vllm_server.start(base, tmp_path, settings=settings, served_name="tiny", env=env)
+    try:
+        # The first sync reloads every tensor: the experts bug already shows there.
+        st = wait_for(server.url, lambda s: s["current_step"] == 0 or s["failures"] > 0, timeout=300)
+        if st["failures"] == 0:
+            publish_dirs(store, [(1, step1)], None)
+            st = wait_for(server.url, lambda s: s["failures"] > 0 or s["current_step"] == 1, timeout=300)
+        assert st["current_step"] in (None, 0), f"{what}: the {fix} bug was served without a complaint: {st}"
+        assert "other values than the snapshot" in st["last_error"] and named in st["last_error"], st["last_error"]
+        assert status(server.url)["weight_version"] != "step-0000000001"
+    finally:
+        server.stop()

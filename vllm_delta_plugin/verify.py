@@ -1,0 +1,189 @@
+"""Reading back what a vLLM worker's model holds, after a swap and before it generates.
+
+The reload path hands tensors to vLLM's loaders, which copy, fuse, pad and repack them (oneDNN
+and AMX handles for linear layers, a prepacked layout for CPU experts). :func:`verify_modules`
+checks that the engine now computes with exactly the published values, through the engine's own
+layout, at a bounded cost per module:
+
+* plain parameters (norms, biases, embeddings) are compared element by element at up to
+  ``samples`` evenly spread positions;
+* a linear layer (its weight possibly repacked away) is probed with one-hot inputs through its own
+  ``quant_method.apply``: the output of ``e_j`` is column ``j`` of the weight, exactly (products by
+  one, sums with zeros), so a stale or garbage packed copy shows;
+* MoE experts are compared, for one sampled expert per layer, with the published expert processed
+  by the experts kernel's own post-load processing (e.g. the CPU prepack).
+
+A mismatch raises :class:`~delta_swap.errors.ChecksumMismatchError` naming the tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from delta_swap.errors import ChecksumMismatchError
+
+from .module_groups import module_of
+
+#: Evenly spread elements compared per plain parameter, and one-hot columns per linear layer.
+SAMPLES = 4096
+PROBES = 4
+
+
+def verify_modules(model: torch.nn.Module, published: Mapping[str, torch.Tensor],
+                   packed: Mapping[str, Sequence[str]]) -> int:
+    """Check every module that ``published`` (checkpoint name -> tensor) loads into, and every
+    module sharing a parameter with one of them (a tied ``lm_head``), against those tensors.
+    Returns how many checks ran; raises ChecksumMismatchError at the first difference."""
+    by_module: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in published.items():
+        by_module.setdefault(module_of(name, packed), {})[name] = tensor
+    extra = [path for path, _ in modules_sharing_parameters_with(model, set(by_module))]
+    checks = 0
+    modules = dict(model.named_modules())
+    for path, tensors in sorted(by_module.items()):
+        module = modules.get(path)
+        if module is None:
+            continue  # a name vLLM maps elsewhere (hf_to_vllm_mapper): not checked here
+        checks += _verify_module(path, module, tensors, packed)
+    for path in extra:  # e.g. a tied lm_head: it must compute with the embedding just loaded
+        module = modules.get(path)
+        source = _shared_source(module, modules, by_module) if module is not None else None
+        if source is not None:
+            checks += _probe_linear(path, module, _weight_of(source[1]), f"{path}.weight (tied to {source[0]})")
+    return checks
+
+
+def _verify_module(path: str, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor],
+                   packed: Mapping[str, Sequence[str]]) -> int:
+    if any(".experts." in name for name in tensors):  # vLLM keeps them in a submodule (routed_experts)
+        for sub_path, sub in module.named_modules():
+            if hasattr(sub, "w13_weight") and hasattr(sub, "w2_weight"):
+                return _verify_experts(f"{path}.{sub_path}".rstrip("."), sub, tensors)
+        return 0
+    checks = 0
+    for kind in ("weight", "bias"):
+        parts = _ordered(path, {n: t for n, t in tensors.items() if n.endswith("." + kind)}, packed)
+        if not parts:
+            continue
+        expected = torch.cat([t.reshape(t.shape[0], -1) if t.ndim > 1 else t for _, t in parts])
+        name = f"{path}.{kind} ({len(parts)} checkpoint tensors)" if len(parts) > 1 else parts[0][0]
+        param = getattr(module, kind, None)
+        if param is not None and param.numel() >= expected.numel():
+            _compare(name, param.detach().reshape(-1)[: expected.numel()], expected.reshape(-1))
+            checks += 1
+        if kind == "weight" and expected.ndim == 2 and _is_linear(module):
+            checks += _probe_linear(path, module, expected, name)
+    return checks
+
+
+def _ordered(path: str, tensors: Mapping[str, torch.Tensor],
+             packed: Mapping[str, Sequence[str]]) -> list[tuple[str, torch.Tensor]]:
+    """A fused module's constituents in the order vLLM stacks them (q, k, v; gate, up)."""
+    parts = packed.get(path.rsplit(".", 1)[-1])
+    if not parts:
+        return sorted(tensors.items())
+    rank = {part: i for i, part in enumerate(parts)}
+    return sorted(tensors.items(), key=lambda item: rank.get(item[0].rsplit(".", 2)[-2], len(rank)))
+
+
+def _is_linear(module: torch.nn.Module) -> bool:
+    method = getattr(module, "quant_method", None)
+    return method is not None and hasattr(method, "apply") and hasattr(module, "weight")
+
+
+def _probe_linear(path: str, module: torch.nn.Module, expected: torch.Tensor, name: str) -> int:
+    """Push one-hot rows through the layer's own kernel: each output is a column of its weight."""
+    rows, cols = expected.shape
+    picks = sorted({int(i) for i in torch.linspace(0, cols - 1, min(PROBES, cols)).round()})
+    probe = torch.zeros(len(picks), cols, dtype=expected.dtype, device=_device(module))
+    for r, j in enumerate(picks):
+        probe[r, j] = 1
+    with torch.inference_mode():
+        out = module.quant_method.apply(module, probe)
+    if out.shape[-1] < rows:
+        raise ChecksumMismatchError(f"{name}: {path} computes {out.shape[-1]} outputs, the checkpoint has {rows}")
+    got = out[:, :rows].to(expected.dtype).cpu()
+    _compare(name, got, expected[:, picks].t())
+    return 1
+
+
+def _verify_experts(path: str, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> int:
+    """One sampled expert, processed by the experts kernel's own post-load step, against the
+    engine's copy of that expert."""
+    experts: dict[int, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        index, proj = name.split(".experts.", 1)[1].split(".")[:2]
+        experts.setdefault(int(index), {})[proj] = tensor
+    index = sorted(experts)[len(experts) // 2]
+    parts = experts[index]
+    if not {"gate_proj", "up_proj", "down_proj"} <= parts.keys():
+        return 0  # another experts naming (w1/w2/w3): not checked here
+    kernel = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+    stub = torch.nn.Module()
+    device = _device(module)
+    stub.register_parameter("w13_weight", torch.nn.Parameter(
+        torch.cat([parts["gate_proj"], parts["up_proj"]]).unsqueeze(0).to(device), requires_grad=False))
+    stub.register_parameter("w2_weight", torch.nn.Parameter(parts["down_proj"].unsqueeze(0).to(device),
+                                                            requires_grad=False))
+    if kernel is not None and hasattr(kernel, "process_weights_after_loading"):
+        kernel.process_weights_after_loading(stub)
+    name = f"{path}.{index} (gate/up/down)"
+    for param in ("w13_weight", "w2_weight"):
+        live = getattr(module, param).detach()[index]
+        want = getattr(stub, param).detach()[0]
+        if live.shape != want.shape:
+            raise ChecksumMismatchError(f"{name}: {param} has shape {tuple(live.shape)}, expected {tuple(want.shape)}")
+        _compare(name, live.reshape(-1), want.reshape(-1))
+    return 1
+
+
+def modules_sharing_parameters_with(model: torch.nn.Module, touched: set[str]) -> list[tuple[str, torch.nn.Module]]:
+    """Modules not in ``touched`` that hold a parameter object also held by a module in ``touched``
+    (tied embeddings: ``lm_head`` holds ``embed_tokens.weight``)."""
+    holders: dict[int, list[tuple[str, torch.nn.Module]]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        for param in module.parameters(recurse=False):
+            holders.setdefault(id(param), []).append((path, module))
+    out: dict[str, torch.nn.Module] = {}
+    for group in holders.values():
+        if len(group) > 1 and any(path in touched for path, _ in group):
+            out.update((path, module) for path, module in group if path not in touched)
+    return sorted(out.items(), key=lambda item: item[0])
+
+
+def _shared_source(module: torch.nn.Module, modules: Mapping[str, torch.nn.Module],
+                   by_module: Mapping[str, Mapping[str, torch.Tensor]]) -> tuple[str, dict[str, torch.Tensor]] | None:
+    """The published tensors of a module that holds the same parameter object as ``module``."""
+    own = {id(p) for p in module.parameters(recurse=False)}
+    for path, tensors in by_module.items():
+        other = modules.get(path)
+        if other is not None and other is not module and own & {id(p) for p in other.parameters(recurse=False)}:
+            return ", ".join(tensors), dict(tensors)
+    return None
+
+
+def _weight_of(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    return next(t for n, t in sorted(tensors.items()) if n.endswith(".weight"))
+
+
+def _device(module: torch.nn.Module) -> torch.device:
+    for tensor in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _compare(name: str, live: torch.Tensor, expected: torch.Tensor) -> None:
+    """Compare at up to SAMPLES evenly spread positions (values cast to the live dtype)."""
+    live, expected = live.reshape(-1), expected.reshape(-1).to(device=live.device)
+    if live.numel() != expected.numel():
+        raise ChecksumMismatchError(f"{name}: the engine holds {live.numel()} elements, the snapshot {expected.numel()}")
+    step = max(1, live.numel() // SAMPLES)
+    a, b = live[::step], expected[::step].to(live.dtype)
+    same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+    if not bool(same.all()):
+        where = int((~same).nonzero()[0]) * step
+        raise ChecksumMismatchError(
+            f"{name}: the engine computes with other values than the snapshot (element {where}: "
+            f"{float(live[where])} instead of {float(expected[where])})")
