@@ -28,8 +28,10 @@ Layers, bottom up (a module imports only from its own layer or those below it)::
     serving      admin_routes     /delta_swap/status, /resync, /notify (FastAPI)
                  service          what an engine plugin calls: mount routes, start, stop
                  version_tags     OpenAI responses tagged with the weight version that made them
-                 testing          RecordingAdapter, a complete adapter with no engine
-    trainers     integrations/    HF Trainer / TRL callback, sharded (FSDP) ranks' own tensors
+                 testing/         RecordingAdapter, a complete adapter with no engine;
+                                  engine_exactness, the suite every engine's tests subclass
+    trainers     integrations/    HF Trainer / TRL callback, sharded (FSDP) ranks' own tensors,
+                                  hf_names: a live model's checkpoint names (tied, fused experts)
     tools        cli              the ``delta-swap`` command
 
 Engine adapters live outside the core: ``vllm_delta_plugin`` and ``sglang_delta_plugin``.

@@ -21,6 +21,10 @@ pytestmark = pytest.mark.engine
 
 
 class VllmExactness(EngineExactnessTests):
+    #: Extra vLLM arguments and environment (the same for the plugin server and the references).
+    extra: tuple[str, ...] = ()
+    env: dict[str, str] = {}
+
     def make_checkpoint(self, family: str, out: Path) -> Path:
         return make_tiny_model(out, family=family)
 
@@ -28,7 +32,8 @@ class VllmExactness(EngineExactnessTests):
         return perturb_weights(src, out, only=only, seed=seed)
 
     def start_server(self, model: Path, workdir: Path, settings: Mapping[str, object], log_name: str) -> Server:
-        return vllm_server.start(model, workdir, settings=settings, served_name="tiny", log_name=log_name)
+        return vllm_server.start(model, workdir, settings=settings, served_name="tiny", log_name=log_name,
+                                 extra=self.extra, env=self.env)
 
     def prompt_logprobs(self, url: str, prompt: list[int]) -> list[object]:
         body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "logprobs": 1,
@@ -65,3 +70,11 @@ class TestQwen2Arena(VllmExactness):
 
 class TestQwen3TiedArena(VllmExactness):
     family, swap_path = "qwen3", "arena"
+
+
+class TestQwen3TiedReloadTP2(VllmExactness):
+    """Two tensor-parallel ranks on two cores (one OpenMP thread each): every rank reloads its shard."""
+
+    family, swap_path = "qwen3", "reload"
+    extra = ("--tensor-parallel-size", "2")
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}

@@ -43,6 +43,7 @@ def test_verification_catches_the_bug_a_reverted_fix_lets_through(family, fix, n
             st = wait_for(server.url, lambda s: s["failures"] > 0 or s["current_step"] == 1, timeout=300)
         assert st["current_step"] in (None, 0), f"{what}: the {fix} bug was served without a complaint: {st}"
         assert "other values than the snapshot" in st["last_error"] and named in st["last_error"], st["last_error"]
-        assert status(server.url)["weight_version"] != "step-0000000001"
+        if st["current_step"] == 0:  # rolled back (else the engine's state is reported unknown)
+            assert status(server.url)["weight_version"] == "step-0000000000"
     finally:
         server.stop()

@@ -211,9 +211,10 @@ class VllmAdapter(EngineAdapter):
             assert self.arenas is not None
             self.arenas.live = staged
         else:
-            await self._call({"op": "load", "path": staged.path, "names": staged.names})
-            if self.settings.verify_swaps:  # before the engine generates on the new weights
-                await self._verify(staged)
+            if self.settings.verify_swaps:  # read back before the engine generates on the new weights
+                await self._load_and_verify(staged)
+            else:
+                await self._call({"op": "load", "path": staged.path, "names": staged.names})
             if update.version is not None:
                 await self.engine.update_weight_version(update.version)
         # No new request may reuse KV computed with the old weights: drop the prefix cache. Requests
@@ -227,12 +228,14 @@ class VllmAdapter(EngineAdapter):
         if not reset and not keep_kv:
             raise EngineError("vllm: refused to reset its prefix cache after a weight update")
 
-    async def _verify(self, staged: StagedFile) -> None:
-        """Have the workers read back what they now compute with (raises on any difference)."""
+    async def _load_and_verify(self, staged: StagedFile) -> None:
+        """Load, then have the workers read back what they now compute with (raises on any
+        difference), in one weight-update call."""
         output = staged.path + ".verified.json"
         try:
-            await self._call({"op": "verify", "path": staged.verify_path or staged.path,
-                              "names": staged.verify_names or staged.names, "output": output})
+            await self._call({"op": "load", "path": staged.path, "names": staged.names, "output": output,
+                              "verify_path": staged.verify_path or staged.path,
+                              "verify_names": staged.verify_names or staged.names})
             self.last_verification = json.loads(Path(output).read_text())
         finally:
             Path(output).unlink(missing_ok=True)

@@ -7,6 +7,7 @@
 * ``commit``: point every parameter at the arena file ``path`` (a reference swap, O(#parameters)):
   the arena path, used where parameters are plain host tensors (vLLM's CPU fallback for bf16);
 * ``verify``: read back the modules the last ``load`` of ``path`` reloaded (:mod:`.verify`);
+  a ``load`` with ``verify_path`` finishes its reload and does this in the same call;
 * ``load`` (default): load the tensors of a staged safetensors file or checkpoint folder through
   vLLM's layerwise reload, which works after CPU (oneDNN, AMX) or GPU post-load processing has
   repacked the weights: the reload path, used everywhere else. Modules that share a parameter
@@ -68,6 +69,10 @@ class DeltaSwapUpdateInfo(WeightTransferUpdateInfo):
     path: str = ""
     names: list[str] = field(default_factory=list)
     output: str = ""
+    #: With ``load``: finish the reload and read back the modules against this file's tensors
+    #: (``verify_names`` of it), in the same call; the result goes to ``output``.
+    verify_path: str = ""
+    verify_names: list[str] = field(default_factory=list)
 
 
 def _read_tensors(path: str, wanted: set[str]) -> list[tuple[str, torch.Tensor]]:
@@ -168,11 +173,22 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
                 self._finalize()  # untouched layers keep their weights
                 raise
         log.info("delta_swap: loaded %d tensors in %.3fs", len(weights), time.perf_counter() - started)
+        if update_info.verify_path:  # finish the reload now, then read it back, in one call
+            self._finalize()
+            self._verify(DeltaSwapUpdateInfo(op="verify", path=update_info.verify_path,
+                                             names=update_info.verify_names, output=update_info.output))
 
     def _verify(self, update_info: DeltaSwapUpdateInfo) -> None:
         """Read back the modules a ``load`` just reloaded (and those sharing a parameter with
         them) through the engine's own kernels; raise if any computes with other values."""
         started = time.perf_counter()
+        parallel = self.vllm_config.parallel_config
+        if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
+            # each rank holds a shard: the read-back does not map shards yet, so it says so
+            if update_info.output:
+                Path(update_info.output).write_text(json.dumps(
+                    {"checks": 0, "seconds": 0.0, "skipped": "tensor or pipeline parallel ranks hold shards"}))
+            return
         published = dict(_read_tensors(update_info.path, set(update_info.names)))
         with set_current_vllm_config(self.vllm_config), torch.inference_mode():
             try:

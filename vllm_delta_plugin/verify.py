@@ -51,7 +51,7 @@ def verify_modules(model: torch.nn.Module, published: Mapping[str, torch.Tensor]
         module = modules.get(path)
         source = _shared_source(module, modules, by_module) if module is not None else None
         if source is not None:
-            checks += _probe_linear(path, module, _weight_of(source[1]), f"{path}.weight (tied to {source[0]})")
+            checks += _probe_linear(path, module, [_weight_of(source[1])], f"{path}.weight (tied to {source[0]})")
     return checks
 
 
@@ -67,14 +67,17 @@ def _verify_module(path: str, module: torch.nn.Module, tensors: Mapping[str, tor
         parts = _ordered(path, {n: t for n, t in tensors.items() if n.endswith("." + kind)}, packed)
         if not parts:
             continue
-        expected = torch.cat([t.reshape(t.shape[0], -1) if t.ndim > 1 else t for _, t in parts])
         name = f"{path}.{kind} ({len(parts)} checkpoint tensors)" if len(parts) > 1 else parts[0][0]
+        total = sum(t.numel() for _, t in parts)
         param = getattr(module, kind, None)
-        if param is not None and param.numel() >= expected.numel():
-            _compare(name, param.detach().reshape(-1)[: expected.numel()], expected.reshape(-1))
+        if param is not None and param.numel() >= total:  # a plain parameter: the parts back to back
+            flat, offset = param.detach().reshape(-1), 0
+            for _, t in parts:
+                _compare(name, flat[offset:offset + t.numel()], t.reshape(-1))
+                offset += t.numel()
             checks += 1
-        if kind == "weight" and expected.ndim == 2 and _is_linear(module):
-            checks += _probe_linear(path, module, expected, name)
+        if kind == "weight" and all(t.ndim == 2 for _, t in parts) and _is_linear(module):
+            checks += _probe_linear(path, module, [t for _, t in parts], name)
     return checks
 
 
@@ -93,19 +96,20 @@ def _is_linear(module: torch.nn.Module) -> bool:
     return method is not None and hasattr(method, "apply") and hasattr(module, "weight")
 
 
-def _probe_linear(path: str, module: torch.nn.Module, expected: torch.Tensor, name: str) -> int:
-    """Push one-hot rows through the layer's own kernel: each output is a column of its weight."""
-    rows, cols = expected.shape
+def _probe_linear(path: str, module: torch.nn.Module, parts: Sequence[torch.Tensor], name: str) -> int:
+    """Push one-hot rows through the layer's own kernel: each output is a column of its weight
+    (the parts' columns stacked, as vLLM fuses them). Only the probed columns are read."""
+    rows, cols = sum(t.shape[0] for t in parts), parts[0].shape[1]
     picks = sorted({int(i) for i in torch.linspace(0, cols - 1, min(PROBES, cols)).round()})
-    probe = torch.zeros(len(picks), cols, dtype=expected.dtype, device=_device(module))
+    probe = torch.zeros(len(picks), cols, dtype=parts[0].dtype, device=_device(module))
     for r, j in enumerate(picks):
         probe[r, j] = 1
     with torch.inference_mode():
         out = module.quant_method.apply(module, probe)
     if out.shape[-1] < rows:
         raise ChecksumMismatchError(f"{name}: {path} computes {out.shape[-1]} outputs, the checkpoint has {rows}")
-    got = out[:, :rows].to(expected.dtype).cpu()
-    _compare(name, got, expected[:, picks].t())
+    expected = torch.cat([t[:, picks] for t in parts]).t()
+    _compare(name, out[:, :rows].to(parts[0].dtype).cpu(), expected)
     return 1
 
 
