@@ -129,13 +129,13 @@ class EngineExactnessTests:
                     **self.settings}
         server = self.start_server(base, workdir, settings, "plugin.log")
         try:
-            _wait_for(server.url, lambda s: s["current_step"] == 0 and s.get("swap_path") is not None, 300)
+            wait_for(server.url, lambda s: s["current_step"] == 0 and s.get("swap_path") is not None, 300)
             yield Chain(server, store, workdir, [base])
         finally:
             server.stop()
 
     def test_the_server_takes_the_path_it_was_asked_for(self, chain: Chain) -> None:
-        st = _status(chain.server.url)
+        st = status(chain.server.url)
         assert st["swap_path_reason"], st
         if self.swap_path == "reload":
             assert st["swap_path"] in ("reload", "tensor"), st
@@ -143,7 +143,7 @@ class EngineExactnessTests:
             pytest.skip(f"{st['engine']} cannot swap {self.family} by reference here: {st['swap_path_reason']}")
 
     def test_every_partial_delta_serves_what_a_fresh_server_serves(self, chain: Chain) -> None:
-        st = _status(chain.server.url)
+        st = status(chain.server.url)
         if self.swap_path == "arena" and st["swap_path"] != "arena":
             pytest.skip(f"{st['engine']} cannot swap {self.family} by reference here: {st['swap_path_reason']}")
         for step, (what, only) in enumerate(PARTIAL_DELTAS[self.family], start=1):
@@ -151,7 +151,7 @@ class EngineExactnessTests:
             checkpoint = self.perturb(chain.checkpoints[-1], chain.workdir / f"step-{step}", only, seed=step)
             chain.checkpoints.append(checkpoint)
             self.publish(chain.store, step, checkpoint)
-            st = _wait_for(chain.server.url, lambda s, n=step: s["current_step"] == n or s["failures"] > 0, 300)
+            st = wait_for(chain.server.url, lambda s, n=step: s["current_step"] == n or s["failures"] > 0, 300)
             assert st["current_step"] == step and st["last_error"] is None, (what, st)
             verification = st.get("last_verification")
             if st["swap_path"] == "reload" and verification is not None and not verification.get("skipped"):
@@ -177,17 +177,19 @@ class EngineExactnessTests:
             server.stop()
 
 
-def _status(url: str) -> dict[str, Any]:
+def status(url: str) -> dict[str, Any]:
+    """A delta-swap server's ``/delta_swap/status``."""
     import httpx
 
     return httpx.get(f"{url}/delta_swap/status", timeout=30).json()
 
 
-def _wait_for(url: str, pred: Callable[[dict[str, Any]], bool], timeout: float) -> dict[str, Any]:
+def wait_for(url: str, pred: Callable[[dict[str, Any]], bool], timeout: float = 120) -> dict[str, Any]:
+    """Poll the status route until ``pred`` holds; fail with the last status otherwise."""
     deadline = time.monotonic() + timeout
     st: dict[str, Any] = {}
     while time.monotonic() < deadline:
-        st = _status(url)
+        st = status(url)
         if pred(st):
             return st
         time.sleep(0.2)

@@ -28,6 +28,7 @@ from delta_swap.manifest import Manifest, snapshot_id_for_step
 from delta_swap.publisher import Publisher, PublisherConfig
 from delta_swap.signing import generate_keypair
 from delta_swap.stores.file import FileStore
+from delta_swap.testing.engine_exactness import status, wait_for
 from examples.servers.process import Server
 
 
@@ -50,21 +51,6 @@ class Credentials:
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.admin_token}"}
-
-
-def status(url: str) -> dict:
-    return httpx.get(f"{url}/delta_swap/status", timeout=30).json()
-
-
-def wait_for(url: str, pred: Callable[[dict], bool], timeout: float = 120) -> dict:
-    """Poll the status route until ``pred`` holds; fail with the last status otherwise."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        st = status(url)
-        if pred(st):
-            return st
-        time.sleep(0.2)
-    raise AssertionError(f"timed out; status: {json.dumps(st, indent=1)}")
 
 
 def publish_dirs(store: Path, steps: list[tuple[int, Path]], creds: Credentials | None) -> None:
