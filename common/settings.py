@@ -96,10 +96,11 @@ class Settings:
     """Refuse a newest snapshot more than this many steps ahead of the one served (a runaway or
     forged step number)."""
 
-    verify_swaps: bool = True
+    verify_swaps: bool = False
     """After every swap, before the engine generates again, read back what it computes with (a
     bounded sample per module, through the engine's own layout) and roll back on any difference
-    (vLLM's reload path)."""
+    (vLLM's reload path). Off by default: measured at 17-57 ms per swap, over 10% of the reload
+    path's window (python -m benchmarks.verify_cost)."""
 
     swap_path: SwapPath = SwapPath.AUTO
     """How updates reach the engine: auto (arena where the engine's parameters are plain host

@@ -33,7 +33,8 @@ def test_verification_catches_the_bug_a_reverted_fix_lets_through(family, fix, n
     publish_dirs(store, [(0, base)], None)
     env = {"DELTA_SWAP_REVERT_FIXES": fix,
            "PYTHONPATH": os.pathsep.join([str(REVERT_FIXES), os.environ.get("PYTHONPATH", "")])}
-    settings = {"store": store.as_uri(), "poll_interval": 0.2, "drain": "wait", "swap_path": "reload"}
+    settings = {"store": store.as_uri(), "poll_interval": 0.2, "drain": "wait", "swap_path": "reload",
+                "verify_swaps": True}
     server = vllm_server.start(base, tmp_path, settings=settings, served_name="tiny", env=env)
     try:
         # The first sync reloads every tensor: the experts bug already shows there.

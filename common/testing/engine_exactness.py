@@ -126,7 +126,7 @@ class EngineExactnessTests:
         store = workdir / "store"
         self.publish(store, 0, base)
         settings = {"store": store.as_uri(), "poll_interval": 0.2, "drain": "wait", "swap_path": self.swap_path,
-                    **self.settings}
+                    "verify_swaps": True, **self.settings}
         server = self.start_server(base, workdir, settings, "plugin.log")
         try:
             wait_for(server.url, lambda s: s["current_step"] == 0 and s.get("swap_path") is not None, 300)
