@@ -29,6 +29,7 @@ class DeltaSwapEndpoint:
         settings = Settings.load()
         adapter = None
         if settings.store:
+            refuse_parallel_layouts(engine_client.vllm_config.parallel_config)
             backend = getattr(engine_client.vllm_config.weight_transfer_config, "backend", None)
             if backend != BACKEND_NAME:
                 raise ConfigError("delta_swap needs vLLM's weight-transfer backend: add "
@@ -37,3 +38,14 @@ class DeltaSwapEndpoint:
 
             adapter = VllmAdapter.for_engine(engine_client, settings, args.model)
         service.start(state, settings, adapter)
+
+
+def refuse_parallel_layouts(parallel: Any) -> None:
+    """Refuse, when the server starts, the layouts delta-swap cannot keep exact yet: data parallel
+    (every API server would run its own subscriber and swap the same engines) and pipeline parallel
+    (not tested). Tensor parallel is supported."""
+    if getattr(parallel, "data_parallel_size", 1) > 1:
+        raise ConfigError("delta_swap does not support --data-parallel-size > 1 yet (each API server would swap "
+                          "the engines on its own); run one server per replica")
+    if getattr(parallel, "pipeline_parallel_size", 1) > 1:
+        raise ConfigError("delta_swap does not support --pipeline-parallel-size > 1 yet")
