@@ -52,9 +52,9 @@ class StagedFile:
     path: str
     names: list[str]
     #: The file the post-swap verification reads: every tensor of the modules the update touches
-    #: (the same file when the update already holds them all).
-    verify_path: str | None = None
-    verify_names: list[str] | None = None
+    #: (the same file when the update already holds them all, or when nothing is verified).
+    verify_path: str
+    verify_names: list[str]
 
 
 def packed_modules_of(vllm_config: Any) -> Mapping[str, Sequence[str]] | None:
@@ -163,10 +163,13 @@ class VllmAdapter(EngineAdapter):
         path = os.path.join(self.settings.staging_dir,
                             f"delta-swap-{os.getpid()}-{update.version}-{uuid.uuid4().hex[:8]}.safetensors")
 
-        # What the verification compares with: whole modules, computed apart from the completion above.
-        touched = {module_of(n, self.packed or {}) for n in names}
-        check = sorted(n for n in update.state if module_of(n, self.packed or {}) in touched)
-        check_path = path if check == names else path.replace(".safetensors", ".verify.safetensors")
+        # What the verification compares with: whole modules, computed apart from the completion above
+        # (so a completion that missed a tensor is caught); the same file whenever they agree.
+        check, check_path = names, path
+        if self.settings.verify_swaps:
+            touched = {module_of(n, self.packed or {}) for n in names}
+            check = sorted(n for n in update.state if module_of(n, self.packed or {}) in touched)
+            check_path = path if check == names else path.replace(".safetensors", ".verify.safetensors")
 
         def write() -> None:
             for file, tensors in {path: names, check_path: check}.items():
@@ -178,7 +181,7 @@ class VllmAdapter(EngineAdapter):
 
     async def unstage(self, staged: StagedFile | Arena) -> None:
         if isinstance(staged, StagedFile):
-            for file in {staged.path, staged.verify_path or staged.path}:
+            for file in {staged.path, staged.verify_path}:
                 os.unlink(file)
 
     async def close(self) -> None:
@@ -234,8 +237,7 @@ class VllmAdapter(EngineAdapter):
         output = staged.path + ".verified.json"
         try:
             await self._call({"op": "load", "path": staged.path, "names": staged.names, "output": output,
-                              "verify_path": staged.verify_path or staged.path,
-                              "verify_names": staged.verify_names or staged.names})
+                              "verify_path": staged.verify_path, "verify_names": staged.verify_names})
             self.last_verification = json.loads(Path(output).read_text())
         finally:
             Path(output).unlink(missing_ok=True)

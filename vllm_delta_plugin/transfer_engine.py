@@ -6,8 +6,8 @@
   shared-memory arenas in that layout, or completes them to whole modules for ``load``;
 * ``commit``: point every parameter at the arena file ``path`` (a reference swap, O(#parameters)):
   the arena path, used where parameters are plain host tensors (vLLM's CPU fallback for bf16);
-* ``verify``: read back the modules the last ``load`` of ``path`` reloaded (:mod:`.verify`);
-  a ``load`` with ``verify_path`` finishes its reload and does this in the same call;
+* ``load`` with ``verify_path``: also finish the reload and read back, in the same call, what the
+  reloaded modules now compute with against that file's tensors (:mod:`.verify`);
 * ``load`` (default): load the tensors of a staged safetensors file or checkpoint folder through
   vLLM's layerwise reload, which works after CPU (oneDNN, AMX) or GPU post-load processing has
   repacked the weights: the reload path, used everywhere else. Modules that share a parameter
@@ -122,8 +122,6 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             self._commit(update_info.path)
         elif update_info.op == "load":
             self._load(update_info)
-        elif update_info.op == "verify":
-            self._verify(update_info)
         else:
             raise ValueError(f"delta_swap: unknown operation {update_info.op!r}")
 
@@ -175,21 +173,21 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         log.info("delta_swap: loaded %d tensors in %.3fs", len(weights), time.perf_counter() - started)
         if update_info.verify_path:  # finish the reload now, then read it back, in one call
             self._finalize()
-            self._verify(DeltaSwapUpdateInfo(op="verify", path=update_info.verify_path,
-                                             names=update_info.verify_names, output=update_info.output))
+            self._verify(update_info.verify_path, update_info.verify_names, update_info.output)
 
-    def _verify(self, update_info: DeltaSwapUpdateInfo) -> None:
+    def _verify(self, path: str, names: list[str], output: str) -> None:
         """Read back the modules a ``load`` just reloaded (and those sharing a parameter with
-        them) through the engine's own kernels; raise if any computes with other values."""
+        them) through the engine's own kernels against the tensors ``names`` of the file ``path``;
+        raise if any computes with other values; write what was checked to ``output``."""
         started = time.perf_counter()
         parallel = self.vllm_config.parallel_config
         if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
             # each rank holds a shard: the read-back does not map shards yet, so it says so
-            if update_info.output:
-                Path(update_info.output).write_text(json.dumps(
+            if output:
+                Path(output).write_text(json.dumps(
                     {"checks": 0, "seconds": 0.0, "skipped": "tensor or pipeline parallel ranks hold shards"}))
             return
-        published = dict(_read_tensors(update_info.path, set(update_info.names)))
+        published = dict(_read_tensors(path, set(names)))
         with set_current_vllm_config(self.vllm_config), torch.inference_mode():
             try:
                 checks = verify_modules(self.model, published, self._packed)
@@ -200,8 +198,8 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
                                             f"{type(exc).__name__}: {exc}") from exc
         seconds = time.perf_counter() - started
         log.info("delta_swap: verified %d modules against the snapshot in %.1f ms", checks, 1000 * seconds)
-        if update_info.output:
-            Path(update_info.output).write_text(json.dumps({"checks": checks, "seconds": seconds}))
+        if output:
+            Path(output).write_text(json.dumps({"checks": checks, "seconds": seconds}))
 
     def _validate(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         self._served.check_fits({name: (from_torch_dtype(t.dtype), tuple(t.shape)) for name, t in weights},
