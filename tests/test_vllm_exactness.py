@@ -12,24 +12,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from delta_swap.testing.engine_exactness import EngineExactnessTests
 from examples.servers import vllm as vllm_server
 from examples.servers.process import Server
-from examples.tiny_model import make_tiny_model, perturb_weights
+from tests.support.exactness import TinyModelExactness
 
 pytestmark = pytest.mark.engine
 
 
-class VllmExactness(EngineExactnessTests):
+class VllmExactness(TinyModelExactness):
     #: Extra vLLM arguments and environment (the same for the plugin server and the references).
     extra: tuple[str, ...] = ()
     env: dict[str, str] = {}
-
-    def make_checkpoint(self, family: str, out: Path) -> Path:
-        return make_tiny_model(out, family=family)
-
-    def perturb(self, src: Path, out: Path, only: str, seed: int) -> Path:
-        return perturb_weights(src, out, only=only, seed=seed)
 
     def start_server(self, model: Path, workdir: Path, settings: Mapping[str, object], log_name: str) -> Server:
         return vllm_server.start(model, workdir, settings=settings, served_name="tiny", log_name=log_name,
