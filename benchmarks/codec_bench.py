@@ -58,8 +58,9 @@ import torch
 import zstandard
 
 from benchmarks.rl_corpus import CORPORA, StateDict, add_corpus_arguments, rl_checkpoints  # noqa: E402
-from delta_swap import codec, codec_v2_signs  # noqa: E402
+from delta_swap import codec  # noqa: E402
 from delta_swap.checksum import checksum  # noqa: E402
+from delta_swap.codec.v2 import sign_model  # noqa: E402
 
 METHODS = ("delta_swap", "delta_swap_v1", "arc_v3@1", "arc_v3@19", "arc_v2", "xor+zstd3")
 DEFAULT_METHODS = ("delta_swap", "delta_swap_v1", "arc_v3@1", "arc_v3@19", "xor+zstd3")
@@ -259,7 +260,7 @@ def entropy_bits(t: torch.Tensor, u: torch.Tensor) -> tuple[float, float]:
     sign_bits = float(k)
     if len(shape) >= 2 and shape[-1] >= 256:
         signs = np.sign(key_b - key_a).astype(np.int8).reshape(-1, shape[-1])
-        fitted = codec_v2_signs.fit(signs, *np.divmod(np.flatnonzero(m), shape[-1]))
+        fitted = sign_model.fit(signs, *np.divmod(np.flatnonzero(m), shape[-1]))
         if fitted is not None:
             sign_bits = min(sign_bits, _h2(k, int(np.count_nonzero(fitted[1] != (d < 0)))))
     values = sum(_h0(mags[e[m] == x]) for x in np.unique(e[m])) + sign_bits

@@ -32,7 +32,8 @@ import torch
 import zstandard
 
 from benchmarks.rl_corpus import CORPORA, rl_checkpoints
-from delta_swap import codec, codec_v2
+from delta_swap import codec
+from delta_swap.codec import v2
 
 
 def _raw(t: torch.Tensor) -> np.ndarray:
@@ -109,7 +110,7 @@ def constriction_mask(cks: list[dict[str, torch.Tensor]]) -> dict[str, float]:
 
 _C_WALK = r"""
 #include <stdint.h>
-/* codec v2's pass for bf16, as codec_v2._make_walk (unsigned indices, as there) */
+/* codec v2's pass for bf16, as codec.v2's _make_walk (unsigned indices, as there) */
 int64_t walk_bf16(uint16_t *out, uint64_t n, const uint64_t *lut, uint64_t D, const uint8_t *row_dead,
                   uint64_t n_rows, uint64_t row_len, uint64_t *cnt, uint64_t *evp, const int64_t *ev,
                   uint64_t *vp, const uint64_t *vend, const int64_t *vals) {
@@ -171,16 +172,16 @@ def numba_vs_c(cks: list[dict[str, torch.Tensor]], repeats: int = 5) -> dict[str
             a, b = _raw(cks[t][k]), _raw(cks[t + 1][k])
             payload = codec.encode_tensor_delta(a, b, "BF16", codec.CodecConfig(dense_fraction=2.0, predict_signs=False),
                                                 shape=tuple(cks[t][k].shape))  # the C walk has no sign model
-            if payload[4] != codec_v2.METHOD_ULP:
+            if payload[4] != v2.METHOD_ULP:
                 continue
-            scratch = codec_v2._Scratch()
+            scratch = v2._Scratch()
             sc = np.zeros(12, np.int64)
             p = np.frombuffer(payload, np.uint8)
-            pos = 7 + len(codec_v2._varint(a.size // 2))
-            err = codec_v2._parse_ulp(p, pos, a.size // 2, 8, 0xFFFF, 0, scratch.i64, scratch.u8, sc)
+            pos = 7 + len(v2._varint(a.size // 2))
+            err = v2._parse_ulp(p, pos, a.size // 2, 8, 0xFFFF, 0, scratch.i64, scratch.u8, sc)
             if err == 2:
                 scratch.grow(int(sc[0]), int(sc[1]))
-                err = codec_v2._parse_ulp(p, pos, a.size // 2, 8, 0xFFFF, 0, scratch.i64, scratch.u8, sc)
+                err = v2._parse_ulp(p, pos, a.size // 2, 8, 0xFFFF, 0, scratch.i64, scratch.u8, sc)
             if err != 1:
                 continue
             D, row_len, S, K, n_ev, n_changed, n_rows, o_ = (int(x) for x in sc[:8])
@@ -199,7 +200,7 @@ def numba_vs_c(cks: list[dict[str, torch.Tensor]], repeats: int = 5) -> dict[str
                     start = time.perf_counter()
                     if which == "numba":
                         u = np.uint64
-                        rc = codec_v2._WALKS["BF16"](out, lut.view(u), D, row_dead, row_len, cnt.view(u), evp.view(u), ev,
+                        rc = v2._WALKS["BF16"](out, lut.view(u), D, row_dead, row_len, cnt.view(u), evp.view(u), ev,
                                                      vp.view(u), vend.view(u), vals, no_table, no_codes, no_codes, 0, 1)
                     else:
                         rc = lib.walk_bf16(ptr(out), ctypes.c_int64(out.size), ptr(lut), ctypes.c_int64(D), ptr(row_dead),

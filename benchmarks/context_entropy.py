@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from benchmarks.rl_corpus import add_corpus_arguments, changed_bf16_triples, corpus_runs
-from delta_swap import codec_v1, codec_v2
+from delta_swap.codec import v1, v2
 
 RECORD_BITS = 40  # one class record in a v2 payload, about 5 bytes
 TABLE_ENTRY_BITS = 12  # one quantised frequency of a rANS table
@@ -65,7 +65,7 @@ def _table_bits(context: np.ndarray, symbol: np.ndarray) -> float:
 def bf16_keys(bits: np.ndarray) -> np.ndarray:
     """BF16 bits (uint16) as int64 keys in float order (codec v1's ordered key): a difference of
     two keys is a step in ULPs."""
-    return codec_v1._ordered_key(bits, 16).astype(np.int64)
+    return v1._ordered_key(bits, 16).astype(np.int64)
 
 
 def _row_groups(exp: np.ndarray, changed: np.ndarray, shape: tuple[int, ...],
@@ -96,7 +96,7 @@ def measure(checkpoints: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     out = {"v2_payload": 0.0, "rows": 0.0, "columns": 0.0, "previous": 0.0, "both": 0.0, "signs": 0.0,
            "values": 0.0}
     for shape, u, v, w in changed_bf16_triples(checkpoints):
-        payload = codec_v2.encode_delta(u.view(np.uint8), v.view(np.uint8), "BF16", shape, predict_signs=False)
+        payload = v2.encode_delta(u.view(np.uint8), v.view(np.uint8), "BF16", shape, predict_signs=False)
         out["v2_payload"] += 8 * len(payload)
         step, previous = bf16_keys(v) - bf16_keys(u), bf16_keys(u) - bf16_keys(w)
         changed, changed_before = step != 0, (previous != 0).astype(np.int64)

@@ -37,7 +37,7 @@ import torch
 
 from benchmarks.context_entropy import bf16_keys
 from benchmarks.rl_corpus import add_corpus_arguments, changed_bf16_triples, corpus_runs
-from delta_swap import codec_v1, codec_v2
+from delta_swap.codec import v1, v2
 
 T = 16  # |step| 1..T-1 literal, T and above escape
 SYMBOLS = 2 * T
@@ -49,7 +49,7 @@ _jit = nb.njit(cache=True, nogil=True)
 
 def v2_classes(payload: bytes) -> list[tuple[int, int]]:
     """The [lo, hi] exponent ranges of a v2 ULP payload's classes (docs/FORMAT.md)."""
-    rd = codec_v2._Reader(memoryview(payload))
+    rd = v2._Reader(memoryview(payload))
 
     def skip(fields: int) -> None:
         for _ in range(fields):
@@ -193,7 +193,7 @@ def _bitmap(flags: np.ndarray) -> np.ndarray:
 
 def _table_bytes(freqs: np.ndarray) -> int:
     """A table per used context: a bitmap of its symbols, then their frequencies as varints."""
-    return sum(SYMBOLS // 8 + sum(codec_v2._varint_len(int(f)) for f in row if f) for row in freqs if row.any())
+    return sum(SYMBOLS // 8 + sum(v2._varint_len(int(f)) for f in row if f) for row in freqs if row.any())
 
 
 def _plan(ctx_class: np.ndarray, state: np.ndarray, sym: np.ndarray, n_classes: int, n_states: int):
@@ -266,14 +266,14 @@ def code_values(u: np.ndarray, v: np.ndarray, w: np.ndarray, classes: list[tuple
 def v2_value_bytes(u: np.ndarray, v: np.ndarray, shape: tuple[int, ...], full: bytes) -> tuple[int, float]:
     """(bytes v2's payload ``full`` spends on values, its decode seconds) for one tensor."""
     ku, kv = bf16_keys(u), bf16_keys(v)
-    ones = codec_v1._ordered_unkey(np.where(kv != ku, ku + 1, ku).astype(np.uint16), 16)
-    bare = codec_v2.encode_delta(u.view(np.uint8), ones.view(np.uint8), "BF16", shape, predict_signs=False)
+    ones = v1._ordered_unkey(np.where(kv != ku, ku + 1, ku).astype(np.uint16), 16)
+    bare = v2.encode_delta(u.view(np.uint8), ones.view(np.uint8), "BF16", shape, predict_signs=False)
     out = np.empty_like(u)
     seconds = []
     for _ in range(3):
         out[:] = u
         t0 = time.perf_counter()
-        codec_v2.decode_into(out.view(np.uint8), full, "BF16")
+        v2.decode_into(out.view(np.uint8), full, "BF16")
         seconds.append(time.perf_counter() - t0)
     n_changed = int((kv != ku).sum())
     return len(full) - len(bare) + (n_changed + 7) // 8, min(seconds)
@@ -286,7 +286,7 @@ def measure(checkpoints: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         out[state], out[state + "_seconds"] = 0, 0.0
     for shape, u, v, w in changed_bf16_triples(checkpoints):
         # v2 with raw sign bits: this lever codes the signs itself (against the previous step)
-        payload = codec_v2.encode_delta(u.view(np.uint8), v.view(np.uint8), "BF16", shape, predict_signs=False)
+        payload = v2.encode_delta(u.view(np.uint8), v.view(np.uint8), "BF16", shape, predict_signs=False)
         if payload[4] != 1:  # not a ULP payload (a full one was smaller)
             continue
         values, v2_seconds = v2_value_bytes(u, v, shape, payload)

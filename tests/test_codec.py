@@ -12,8 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from delta_swap import codec, codec_v1, codec_v2
+from delta_swap import codec
 from delta_swap.checksum import checksum
+from delta_swap.codec import v1, v2
 from delta_swap.dtypes import DTYPE_SIZES
 from delta_swap.errors import CorruptDataError
 from tests.support import codec_fixtures, pageout
@@ -206,7 +207,7 @@ def test_dense_tensors_fall_back_to_a_full_payload(rng) -> None:
 
 
 def _walk_only(monkeypatch) -> None:
-    monkeypatch.setattr(codec_v2.select_apply, "AVAILABLE", False)
+    monkeypatch.setattr(v2.select_apply, "AVAILABLE", False)
 
 
 @pytest.mark.parametrize("dtype", ["BF16", "F16", "F32"])
@@ -220,14 +221,14 @@ def test_predicted_signs_round_trip_and_shrink_the_payload(rng, monkeypatch, dty
     shape = (128, 512) if sign_rank == 1 else (384, 512)  # more factors pay only for more changes
     old, new = _weights(rng, dtype, shape, 0.2, dead_rows=0.2, max_step=3, sign_rank=sign_rank)
     n_changed = int(np.count_nonzero(old.view(_UINT[DTYPE_SIZES[dtype]]) != new.view(_UINT[DTYPE_SIZES[dtype]])))
-    assert n_changed >= codec_v2.sign_model.MIN_CHANGES
+    assert n_changed >= v2.sign_model.MIN_CHANGES
     payload = codec.encode_tensor_delta(old, new, dtype, codec.CodecConfig(dense_fraction=2.0), shape=shape)
-    assert payload[6] == codec_v2.FLAG_SIGN_MODEL
+    assert payload[6] == v2.FLAG_SIGN_MODEL
     assert np.array_equal(codec.decode(old, payload, dtype, old.size), new)
     out = old.copy()
     codec.decode_into(out, payload, dtype)
     assert np.array_equal(out, new)
-    monkeypatch.setattr(codec_v2.sign_model, "fit", lambda *args: None)
+    monkeypatch.setattr(v2.sign_model, "fit", lambda *args: None)
     raw = codec.encode_tensor_delta(old, new, dtype, codec.CodecConfig(dense_fraction=2.0), shape=shape)
     assert raw[6] == 0 and np.array_equal(codec.decode(old, raw, dtype, old.size), new)
     # the signs' ideal saving at 80% agreement is 28% of their bits; 2-bit factors of a rank-3
@@ -257,7 +258,7 @@ def _model_payload(rng) -> tuple[np.ndarray, bytearray, int]:
     payload = bytearray(codec.encode_tensor_delta(old, new, "BF16", codec.CodecConfig(dense_fraction=2.0), shape=shape))
     assert payload[6] == 1
     # locate the section as a decoder does: skip the header, the body's fields and the bitstream
-    rd = codec_v2._Reader(memoryview(bytes(payload)))
+    rd = v2._Reader(memoryview(bytes(payload)))
     rd.p = 7
     rd.varint(1 << 62, "n")
     rd.varint(1 << 62, "n_changed")
@@ -334,8 +335,8 @@ def test_damaged_flip_streams_are_caught(rng) -> None:
 
 def test_v2_kernels_release_the_gil() -> None:
     """apply_snapshot decodes tensors on threads: that only scales if the kernels drop the GIL."""
-    kernels = [obj for obj in vars(codec_v2).values() if hasattr(obj, "targetoptions")]
-    kernels += list(codec_v2._WALKS.values())
+    kernels = [obj for obj in vars(v2).values() if hasattr(obj, "targetoptions")]
+    kernels += list(v2._WALKS.values())
     assert len(kernels) >= 10
     for kernel in kernels:
         assert kernel.targetoptions.get("nogil") is True, kernel
@@ -353,17 +354,17 @@ def test_decoding_on_threads_matches_serial(rng) -> None:
 
 
 def test_decoder_only_warm_up_decodes_its_stored_payloads() -> None:
-    """Servers warm up without compiling the encoder: from payloads stored in codec_v2, which
+    """Servers warm up without compiling the encoder: from payloads stored with codec v2, which
     must keep decoding to the tensors warm_up regenerates (else it raises)."""
     codec.warm_up(encoder=False)
-    for dtype in codec_v2.FLOATS:
-        old, new = codec_v2._warm_up_tensors(dtype)
+    for dtype in v2.FLOATS:
+        old, new = v2._warm_up_tensors(dtype)
         assert (old != new).any()
     import base64  # the predicted-sign kernels are warmed up too: one stored payload uses them
 
-    signs = base64.b64decode(codec_v2._WARM_UP_PAYLOADS["BF16 signs"])
-    old, new = codec_v2._warm_up_sign_tensors()
-    assert signs[6] == codec_v2.FLAG_SIGN_MODEL and np.array_equal(codec.decode(old, signs, "BF16", old.size), new)
+    signs = base64.b64decode(v2._WARM_UP_PAYLOADS["BF16 signs"])
+    old, new = v2._warm_up_sign_tensors()
+    assert signs[6] == v2.FLAG_SIGN_MODEL and np.array_equal(codec.decode(old, signs, "BF16", old.size), new)
     first = codec.start_warm_up(encoder=False)
     assert codec.start_warm_up(encoder=False) is first  # once per process
     first.join(timeout=60)
@@ -373,7 +374,8 @@ def test_decoder_only_warm_up_decodes_its_stored_payloads() -> None:
 _LLVM_RESIDENT = """
 import base64
 import numpy as np
-from delta_swap import codec, codec_v2
+from delta_swap import codec
+from delta_swap.codec import v2
 
 def resident_kb():
     kb, in_llvm = 0, False
@@ -389,10 +391,10 @@ codec.warm_up(encoder=False)
 loaded = resident_kb()
 codec.start_warm_up(encoder=False).join()
 after = resident_kb()
-for dtype in codec_v2.FLOATS:  # decoding still works, and bit-exact
-    old, new = codec_v2._warm_up_tensors(dtype)
+for dtype in v2.FLOATS:  # decoding still works, and bit-exact
+    old, new = v2._warm_up_tensors(dtype)
     out = old.copy()
-    codec.decode_into(out, base64.b64decode(codec_v2._WARM_UP_PAYLOADS[dtype]), dtype)
+    codec.decode_into(out, base64.b64decode(v2._WARM_UP_PAYLOADS[dtype]), dtype)
     assert np.array_equal(out, new), dtype
 print(loaded, after, resident_kb())
 """
@@ -424,13 +426,13 @@ def test_numba_cache_falls_back_to_a_temp_folder_when_nothing_else_is_writable(m
     monkeypatch.setattr(numba.core.config, "CACHE_DIR", numba.core.config.CACHE_DIR)  # restored afterwards
     monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home-cache"))
-    monkeypatch.setattr(codec_v2.os, "access", lambda path, mode: False)  # a read-only install and home
-    monkeypatch.setattr(codec_v2.tempfile, "gettempdir", lambda: str(tmp_path))
-    codec_v2._ensure_numba_cache_dir()
+    monkeypatch.setattr(v2.os, "access", lambda path, mode: False)  # a read-only install and home
+    monkeypatch.setattr(v2.tempfile, "gettempdir", lambda: str(tmp_path))
+    v2._ensure_numba_cache_dir()
     assert numba.core.config.CACHE_DIR.startswith(str(tmp_path / "delta-swap-numba-"))
-    monkeypatch.setattr(codec_v2.os, "access", lambda path, mode: True)  # a writable package folder
+    monkeypatch.setattr(v2.os, "access", lambda path, mode: True)  # a writable package folder
     numba.core.config.CACHE_DIR = ""
-    codec_v2._ensure_numba_cache_dir()
+    v2._ensure_numba_cache_dir()
     assert numba.core.config.CACHE_DIR == ""
 
 
@@ -530,7 +532,7 @@ def test_unknown_magic_is_rejected(sample) -> None:
 def test_v1_absurd_counts_and_lengths_fail_without_allocating(rng) -> None:
     old, new = _pair(rng, "BF16", 20_000, 0.02, small=True)
     payload = codec.encode_tensor_delta(old, new, "BF16", V1)
-    H, S = codec_v1._HEADER, codec_v1._SECTION
+    H, S = v1._HEADER, v1._SECTION
     magic, method, transform, width, n_sections, n, k = H.unpack(payload[: H.size])
     body = payload[H.size :]
     crafted = [
@@ -553,8 +555,8 @@ def test_v1_zstd_bomb_frame_is_rejected() -> None:
     import zstandard
 
     bomb = zstandard.ZstdCompressor().compress(b"\0" * (1 << 24))
-    section = codec_v1._SECTION.pack(codec_v1.KIND_PLANE, codec_v1.CODER_ZSTD, 0, 1000, len(bomb)) + bomb
-    payload = codec_v1._HEADER.pack(codec_v1.MAGIC, codec_v1.METHOD_FULL, codec_v1.TRANSFORM_NONE, 1, 1, 1000, 1000) + section
+    section = v1._SECTION.pack(v1.KIND_PLANE, v1.CODER_ZSTD, 0, 1000, len(bomb)) + bomb
+    payload = v1._HEADER.pack(v1.MAGIC, v1.METHOD_FULL, v1.TRANSFORM_NONE, 1, 1, 1000, 1000) + section
     with pytest.raises(CorruptDataError, match="declares"):
         codec.decode(None, payload, "U8", 1000)
 
@@ -562,24 +564,24 @@ def test_v1_zstd_bomb_frame_is_rejected() -> None:
 def test_v1_positions_past_the_end_are_rejected() -> None:
     old = np.zeros(400, dtype=np.uint8)
     gaps = np.array([150, 150], dtype=np.uint32)  # positions 150 and 301 of 200 elements
-    planes = [codec_v1._section(codec_v1.KIND_GAPS, j, p, 3) for j, p in enumerate(codec_v1._planes(gaps))]
-    values = [codec_v1._section(codec_v1.KIND_PLANE, j, p, 3) for j, p in enumerate(codec_v1._planes(np.array([2, 2], dtype=np.uint16)))]
-    payload = codec_v1._HEADER.pack(codec_v1.MAGIC, codec_v1.METHOD_DELTA, codec_v1.TRANSFORM_ORDERED, 2, 6, 200, 2) + b"".join(planes + values)
+    planes = [v1._section(v1.KIND_GAPS, j, p, 3) for j, p in enumerate(v1._planes(gaps))]
+    values = [v1._section(v1.KIND_PLANE, j, p, 3) for j, p in enumerate(v1._planes(np.array([2, 2], dtype=np.uint16)))]
+    payload = v1._HEADER.pack(v1.MAGIC, v1.METHOD_DELTA, v1.TRANSFORM_ORDERED, 2, 6, 200, 2) + b"".join(planes + values)
     with pytest.raises(CorruptDataError, match="past the end"):
         codec.decode(old, payload, "BF16", 400)
 
 
 def _v(x: int) -> bytes:
-    return codec_v2._varint(x)
+    return v2._varint(x)
 
 
 def _golomb1(*values: int) -> tuple[bytes, int]:
     """Golomb codes with m = 1 (docs/FORMAT.md), LSB first: (bytes, number of bits)."""
     bits: list[int] = []
     for x in values:
-        if x >= codec_v2.QMAX:
+        if x >= v2.QMAX:
             length = x.bit_length()
-            bits += [0] * codec_v2.QMAX + [1] + [(length >> i) & 1 for i in range(6)] + [(x >> i) & 1 for i in range(length)]
+            bits += [0] * v2.QMAX + [1] + [(length >> i) & 1 for i in range(6)] + [(x >> i) & 1 for i in range(length)]
         else:
             bits += [0] * x + [1]
     data = bytes(sum(b << i for i, b in enumerate(bits[k : k + 8])) for k in range(0, len(bits), 8))
@@ -587,7 +589,7 @@ def _golomb1(*values: int) -> tuple[bytes, int]:
 
 
 def _ulp(n: int, body: bytes, width: int = 2) -> bytes:
-    return b"DSC2" + bytes([codec_v2.METHOD_ULP, width, 0]) + _v(n) + body
+    return b"DSC2" + bytes([v2.METHOD_ULP, width, 0]) + _v(n) + body
 
 
 def _one_class(n_changed: int, n_events: int, m: int = 1, cflags: int = 0, extra: bytes = b"", bits: bytes = b"",
@@ -650,7 +652,7 @@ def test_v2_zstd_bomb_plane_is_rejected() -> None:
     import zstandard
 
     bomb = zstandard.ZstdCompressor().compress(b"\0" * (1 << 24))
-    payload = b"DSC2" + bytes([codec_v2.METHOD_FULL, 1, 0]) + _v(1000) + b"\1" + _v(len(bomb)) + bomb
+    payload = b"DSC2" + bytes([v2.METHOD_FULL, 1, 0]) + _v(1000) + b"\1" + _v(len(bomb)) + bomb
     with pytest.raises(CorruptDataError, match="declares"):
         codec.decode(None, payload, "U8", 1000)
     with pytest.raises(CorruptDataError):
@@ -659,11 +661,11 @@ def test_v2_zstd_bomb_plane_is_rejected() -> None:
 
 def test_header_layout_is_stable() -> None:
     """The wire formats are documented in docs/FORMAT.md; changing one needs a new magic."""
-    assert codec_v1._HEADER.size == 24 and codec_v1._SECTION.size == 20
+    assert v1._HEADER.size == 24 and v1._SECTION.size == 20
     assert struct.calcsize("<4sBBBBQQ") == 24
     payload = codec.encode_tensor_delta(np.zeros(4, np.uint8), np.array([0, 0, 1, 0], np.uint8), "BF16",
                                         codec.CodecConfig(dense_fraction=2.0))
-    assert payload[:7] == b"DSC2" + bytes([codec_v2.METHOD_ULP, 2, 0])
+    assert payload[:7] == b"DSC2" + bytes([v2.METHOD_ULP, 2, 0])
     assert codec.payload_version(payload) == 2 and codec.LATEST_VERSION == 2
 
 

@@ -112,7 +112,7 @@ def test_the_context_study_credits_values_only_when_the_previous_step_tells_some
     import torch
 
     from benchmarks import context_entropy
-    from delta_swap import codec_v1
+    from delta_swap.codec import v1
 
     rng = np.random.default_rng(1)
     start = torch.randn(256, 512).to(torch.bfloat16)
@@ -123,7 +123,7 @@ def test_the_context_study_credits_values_only_when_the_previous_step_tells_some
         out, k = [], keys.copy()
         for d in [np.zeros_like(keys)] + directions:
             k = k + np.where(moving, d, 0)
-            bits = codec_v1._ordered_unkey(k.astype(np.uint16), 16)
+            bits = v1._ordered_unkey(k.astype(np.uint16), 16)
             out.append({"w": torch.from_numpy(bits.view(np.int16).copy()).view(torch.bfloat16)})
         return out
 

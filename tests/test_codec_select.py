@@ -1,4 +1,4 @@
-"""Codec v2's select apply (BF16, common/codec_v2_select.py) against its walk, on the same payloads:
+"""Codec v2's select apply (BF16, common/codec/v2/select_apply.py) against its walk, on the same payloads:
 the same tensors from valid payloads and the same verdict on damaged ones."""
 
 from __future__ import annotations
@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from delta_swap import codec, codec_v2
-from delta_swap import codec_v2_select as select_apply
+from delta_swap import codec
+from delta_swap.codec import v2
+from delta_swap.codec.v2 import select_apply
 from delta_swap.errors import CorruptDataError
 from tests.test_codec import _weights
 
@@ -46,12 +47,12 @@ CASES = {  # shape, fraction changed, rows that never change, largest step, rank
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_select_apply_rebuilds_what_the_walk_rebuilds(case: str, rng, monkeypatch) -> None:
     shape, frac, dead, step, *rank = CASES[case]
-    monkeypatch.setattr(codec_v2, "_POOL", [])  # fresh scratch: the large case grows its buffer
+    monkeypatch.setattr(v2, "_POOL", [])  # fresh scratch: the large case grows its buffer
     old, new = _weights(rng, "BF16", shape, frac, dead_rows=dead, max_step=step, sign_rank=rank[0] if rank else 0,
                         agree=0.9)
     payload = codec.encode_tensor_delta(old, new, "BF16", codec.CodecConfig(), shape=shape)
-    assert payload[4] == codec_v2.METHOD_ULP  # coded as ULP steps, not a full or XOR payload
-    assert payload[6] == (codec_v2.FLAG_SIGN_MODEL if rank else 0)
+    assert payload[4] == v2.METHOD_ULP  # coded as ULP steps, not a full or XOR payload
+    assert payload[6] == (v2.FLAG_SIGN_MODEL if rank else 0)
     for select in (True, False):
         out = _decode(old, payload, select, monkeypatch)
         assert out is not None and np.array_equal(out, new), (case, select)
@@ -64,7 +65,7 @@ def test_damaged_payloads_get_the_same_verdict_from_both(rng, monkeypatch, signs
     old, new = _weights(rng, "BF16", shape, 0.05 if signs == "raw" else 0.4, dead_rows=0.3, max_step=20,
                         sign_rank=0 if signs == "raw" else 1, agree=0.9)
     payload = codec.encode_tensor_delta(old, new, "BF16", codec.CodecConfig(), shape=shape)
-    assert payload[6] == (0 if signs == "raw" else codec_v2.FLAG_SIGN_MODEL)
+    assert payload[6] == (0 if signs == "raw" else v2.FLAG_SIGN_MODEL)
     rejected = accepted = 0
     for byte in range(7, len(payload), max(1, len(payload) // 300)):
         for bit in (0, 2, 5, 7):
@@ -133,4 +134,4 @@ def test_a_crafted_rank_past_the_tensor_is_rejected_without_writing_past_the_buf
         payload = _one_class(len(gaps), len(gaps), bits=bits, nbits=nbits, signs=b"\0")
         for select in (True, False):
             assert _decode(old, payload, select, monkeypatch) is None, (gaps, select)
-    assert codec_v2.select_apply is select_apply
+    assert v2.select_apply is select_apply

@@ -15,8 +15,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from delta_swap import codec, codec_v2
+from delta_swap import codec
 from delta_swap.chain import decode_head
+from delta_swap.codec import v2
 from delta_swap.commit import Part
 from delta_swap.errors import CorruptDataError
 from delta_swap.manifest import Manifest
@@ -177,7 +178,7 @@ def v2_payloads() -> list[tuple[np.ndarray, bytes, str]]:
 
     a, b = _weights(rng, "BF16", (64, 512), 0.4, max_step=3, sign_rank=2, agree=0.9)
     out.append((a, codec.encode_tensor_delta(a, b, "BF16", codec.CodecConfig(dense_fraction=2.0), shape=(64, 512)), "BF16"))
-    assert out[-1][1][6] == codec_v2.FLAG_SIGN_MODEL
+    assert out[-1][1][6] == v2.FLAG_SIGN_MODEL
     assert all(p[:4] == b"DSC2" for _, p, _ in out)
     return out
 
@@ -220,12 +221,12 @@ def test_v2_decoder_on_mutated_payloads(v2_payloads, which, flips, cut, splice, 
 
 @settings(max_examples=300, deadline=timedelta(seconds=5), suppress_health_check=[HealthCheck.too_slow])
 @given(body=st.binary(max_size=400), method=st.integers(0, 3), n=st.integers(0, 2**20), nbytes=st.integers(0, 2**20),
-       flags=st.sampled_from([0, codec_v2.FLAG_SIGN_MODEL]))
+       flags=st.sampled_from([0, v2.FLAG_SIGN_MODEL]))
 def test_v2_decoder_on_random_bodies(v2_payloads, body, method, n, nbytes, flags) -> None:
     """A valid v2 header (with or without predicted signs) followed by garbage, with any element
     count and expected size (the fixture has compiled the kernels, so the deadline only measures
     decoding)."""
-    payload = b"DSC2" + bytes([method, 2, flags]) + codec_v2._varint(n) + body
+    payload = b"DSC2" + bytes([method, 2, flags]) + v2._varint(n) + body
     old = np.zeros(2 * n, np.uint8) if n == nbytes // 2 and n < 5000 else None
     try:
         codec.decode(old, payload, "BF16", 2 * n if old is not None else nbytes)

@@ -71,26 +71,26 @@ def expected() -> dict[str, str]:
 
 
 def _write() -> None:
-    from delta_swap import codec_v1
     from delta_swap.checksum import checksum
+    from delta_swap.codec import v1
 
     DATA.mkdir(parents=True, exist_ok=True)
     sums = {}
     for name in CASES:
         dtype, old, new = reference(name)
-        payload = codec_v1.encode_full(new, dtype) if old is None else codec_v1.encode_tensor_delta(old, new, dtype)
+        payload = v1.encode_full(new, dtype) if old is None else v1.encode_tensor_delta(old, new, dtype)
         (DATA / f"{name}.dsc1").write_bytes(payload)
         sums[name] = checksum(new)
     (DATA / "checksums.json").write_text(json.dumps(sums, indent=1) + "\n")
 
 
 def _write_v2() -> None:
-    from delta_swap import codec_v2
+    from delta_swap.codec import v2
 
     DATA_V2.mkdir(parents=True, exist_ok=True)
     for name in CASES:
         dtype, old, new = reference(name)
-        payload = codec_v2.encode_full(new, dtype) if old is None else codec_v2.encode_delta(old, new, dtype)
+        payload = v2.encode_full(new, dtype) if old is None else v2.encode_delta(old, new, dtype)
         (DATA_V2 / f"{name}.dsc2").write_bytes(payload)
 
 

@@ -1,6 +1,6 @@
 """Codec v1 (``DSC1``): kept so that stores written before codec v2 still decode bit-exact.
 
-New payloads are written by :mod:`.codec_v2`; :mod:`.codec` dispatches on the magic. The encoder
+New payloads are written by :mod:`.v2`; :mod:`delta_swap.codec` dispatches on the magic. The encoder
 stays too (``CodecConfig(version=1)``), for the benchmark's comparison and the stored test fixtures.
 
 Adjacent RL checkpoints differ in ~1-2% of elements, and almost every change moves a float by a
@@ -34,9 +34,9 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
-from .dtypes import ORDERED_FLOAT_DTYPES, dtype_size
-from .errors import CorruptDataError
-from .manifest import Encoding
+from ..dtypes import ORDERED_FLOAT_DTYPES, dtype_size
+from ..errors import CorruptDataError
+from ..manifest import Encoding
 from .zstd_frames import check_frame, decompress_exact
 
 MAGIC = b"DSC1"

@@ -13,7 +13,7 @@ per class and in natural order within the class:
 * the value as the signed distance in ordered-integer space (mostly +-1): one sign bit, and
   |step| - 1 either implied (all ones), Golomb-coded, or rANS-coded with a per-class table. The
   sign bits are raw, or, for matrices where it is smaller, "flip" bits against a low-rank
-  prediction of the signs (:mod:`.codec_v2_signs`, header flag 1), rANS-coded eight at a time;
+  prediction of the signs (:mod:`.sign_model`, header flag 1), rANS-coded eight at a time;
 * optionally the rows (last dimension of the tensor's shape) that do not change at all (embedding
   rows of tokens absent from the batch), as Golomb-coded row gaps, so their elements cost nothing.
 
@@ -45,9 +45,9 @@ import threading
 import numpy as np
 import zstandard
 
-from .dtypes import DTYPE_SIZES
-from .errors import CorruptDataError
-from .zstd_frames import check_frame, decompress_exact
+from ...dtypes import DTYPE_SIZES
+from ...errors import CorruptDataError
+from ..zstd_frames import check_frame, decompress_exact
 
 
 def _ensure_numba_cache_dir() -> None:
@@ -72,14 +72,13 @@ def _ensure_numba_cache_dir() -> None:
 
 
 if sys.byteorder != "little":  # the kernels move bitstream words and rANS words as host integers
-    raise ImportError("delta_swap.codec_v2 needs a little-endian host (x86_64, aarch64)")
+    raise ImportError("delta_swap.codec.v2 needs a little-endian host (x86_64, aarch64)")
 _ensure_numba_cache_dir()
 
 import numba as nb  # noqa: E402
 from numba.cpython.unsafe.numbers import trailing_zeros  # noqa: E402
 
-from . import codec_v2_select as select_apply  # noqa: E402
-from . import codec_v2_signs as sign_model  # noqa: E402
+from . import select_apply, sign_model  # noqa: E402
 
 FLAG_SIGN_MODEL = sign_model.FLAG_SIGN_MODEL
 
@@ -1446,7 +1445,7 @@ def _segments(exps: np.ndarray, arg: np.ndarray) -> list[tuple[int, int]]:
 def _sign_section(u: np.ndarray, v: np.ndarray, vals: np.ndarray, lut_e: np.ndarray, mant_bits: int, E: int,
                   shape: tuple[int, ...] | None, row_len: int, n_rows: int) -> tuple[int, bytes]:
     """(payload flags, the signs' bytes): raw sign bits, or, where it is smaller, a sign model
-    (:mod:`.codec_v2_signs`) and the rANS-coded flips of ``vals`` (which are negated in place
+    (:mod:`.sign_model`) and the rANS-coded flips of ``vals`` (which are negated in place
     where the model predicts a negative step)."""
     raw = np.packbits(vals < 0, bitorder="little").tobytes()
     if not shape or len(shape) < 2 or row_len * n_rows != u.size or vals.size < sign_model.MIN_CHANGES:
@@ -1622,7 +1621,7 @@ def encode_delta(old: np.ndarray, new: np.ndarray, dtype: str, shape: tuple[int,
     ``shape`` (optional) is the tensor's shape: rows of its last dimension that do not change at
     all are then flagged instead of coded element by element. When more than ``dense_fraction``
     of the elements changed, a full payload is returned if it is smaller. ``predict_signs``: try a
-    sign model (:mod:`.codec_v2_signs`) where the shape allows it. ``class_cost``: see CLASS_COST.
+    sign model (:mod:`.sign_model`) where the shape allows it. ``class_cost``: see CLASS_COST.
     """
     new = _check_bytes(new, "new")
     old = _check_bytes(old, "old")

@@ -6,7 +6,7 @@ activation), dominated by a few of them. So the *signs* of a step's changes foll
 pattern: sign(W[i, j] step) ~ sign(sum_t a[i, t] b[j, t]) for a few row factors ``a`` and column
 factors ``b``. With 1-3 factors of 1-2 bits per entry, 65-85% of the signs of a Qwen2-style
 matrix at lr 1e-5 agree with the prediction, and coding each sign as agree/disagree
-(an entropy-coded "flip" bit, see :mod:`delta_swap.codec_v2`) instead of a raw bit saves ~4% of
+(an entropy-coded "flip" bit, see :mod:`delta_swap.codec.v2`) instead of a raw bit saves ~4% of
 the payload there. The model is stateless: it needs nothing but the payload itself.
 
 This module is the model: fitting it (encoder, numpy), its bytes in the payload, and the integer

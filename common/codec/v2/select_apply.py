@@ -1,7 +1,7 @@
 """A faster apply of codec v2 ULP payloads to BF16 tensors: rank-space select instead of a walk.
 
 Codec v2 codes each exponent class's changes as gaps counted in that class's own rank space, and
-its values in that class's order (docs/FORMAT.md). The walk in :mod:`delta_swap.codec_v2` finds
+its values in that class's order (docs/FORMAT.md). The walk in :mod:`delta_swap.codec.v2` finds
 them by visiting every element, looking its class up and counting down the class's gap: an
 unpredictable branch per element. This module applies the same payloads after the same parse and
 validation, to the same results (a payload the walk rejects is rejected here too, possibly with
@@ -31,7 +31,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .codec_v2_signs import predicted_negative
+from .sign_model import predicted_negative
 
 __all__ = ["AVAILABLE", "CHUNK", "SelectScratch", "apply_bf16"]
 
@@ -372,7 +372,7 @@ def apply_bf16(scratch: SelectScratch, out: np.ndarray, row_dead: np.ndarray, ro
                cc: np.ndarray, predict: int, pred_len: int) -> int:
     """Apply a payload parsed by codec v2 to ``out`` (the old BF16 bits as uint16, in place);
     ``table``, ``rc``, ``cc``, ``predict`` and ``pred_len`` are its sign model's (predict 0:
-    none; codec_v2_signs). Returns codec v2's error code (0: applied)."""
+    none; sign_model). Returns codec v2's error code (0: applied)."""
     if out.dtype != np.uint16 or not out.flags.c_contiguous:
         raise ValueError("apply_bf16 takes the BF16 bits as a contiguous uint16 array")
     while True:

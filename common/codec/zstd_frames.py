@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import zstandard
 
-from .errors import CorruptDataError
+from ..errors import CorruptDataError
 
 
 def check_frame(stored: bytes | memoryview, expected: int, what: str) -> None:

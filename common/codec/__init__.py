@@ -1,8 +1,8 @@
 """Lossless, bit-exact tensor codec: the one entry point the rest of delta-swap uses.
 
-New payloads are written by codec v2 (:mod:`.codec_v2`, magic ``DSC2``: exponent-classed ULP
+New payloads are written by codec v2 (:mod:`.v2`, magic ``DSC2``: exponent-classed ULP
 deltas, Golomb-coded positions, rANS magnitudes, numba kernels); payloads of codec v1
-(:mod:`.codec_v1`, ``DSC1``: zstd byte planes) still decode, so stores written before v2 stay
+(:mod:`.v1`, ``DSC1``: zstd byte planes) still decode, so stores written before v2 stay
 readable. Every decoder dispatches on the payload's magic; the wire formats are in docs/FORMAT.md.
 
 codec v2 needs numba; it is imported on first use, so ``import delta_swap`` stays light. Its
@@ -20,10 +20,10 @@ from types import ModuleType
 
 import numpy as np
 
-from . import codec_v1
-from .errors import CorruptDataError
-from .host_memory import page_out_library
-from .manifest import Encoding
+from ..errors import CorruptDataError
+from ..host_memory import page_out_library
+from ..manifest import Encoding
+from . import v1
 
 #: The codec version new payloads are written with.
 LATEST_VERSION = 2
@@ -59,9 +59,9 @@ def _v2() -> ModuleType:
     if _v2_module is None:
         with _v2_lock:
             if _v2_module is None:
-                from . import codec_v2
+                from . import v2
 
-                _v2_module = codec_v2
+                _v2_module = v2
     return _v2_module
 
 
@@ -137,7 +137,7 @@ def _as_bytes(arr: np.ndarray, what: str) -> np.ndarray:
 def encode_full(new: np.ndarray, dtype: str, config: CodecConfig = DEFAULT_CONFIG) -> bytes:
     """Encode one tensor on its own (no reference)."""
     if config.version == 1:
-        return codec_v1.encode_full(new, dtype, config.zstd_level)
+        return v1.encode_full(new, dtype, config.zstd_level)
     return _v2().encode_full(new, dtype, config.zstd_level)
 
 
@@ -157,7 +157,7 @@ def encode_tensor_delta(
     if old is None:
         return encode_full(new, dtype, config)
     if config.version == 1:
-        return codec_v1.encode_tensor_delta(old, new, dtype, config.zstd_level, config.dense_fraction)
+        return v1.encode_tensor_delta(old, new, dtype, config.zstd_level, config.dense_fraction)
     return _v2().encode_delta(_as_bytes(old, "old"), new, dtype, tuple(shape) if shape else None,
                               config.zstd_level, config.dense_fraction, config.predict_signs)
 
@@ -168,7 +168,7 @@ def encode_tensor_delta(
 def payload_method(payload: bytes | memoryview) -> Encoding:
     """``Encoding.DELTA`` if the payload needs the previous tensor, else ``Encoding.FULL``."""
     if payload_version(payload) == 1:
-        return codec_v1.payload_method(payload)
+        return v1.payload_method(payload)
     return Encoding.DELTA if _v2().payload_is_delta(payload) else Encoding.FULL
 
 
@@ -182,7 +182,7 @@ def decode_into(out: np.ndarray, payload: bytes | memoryview, dtype: str) -> Non
     """
     out = _as_bytes(out, "out")
     if payload_version(payload) == 1:
-        codec_v1.decode_into(out, payload, dtype)
+        v1.decode_into(out, payload, dtype)
     else:
         _v2().decode_into(out, payload, dtype)
 
@@ -219,7 +219,7 @@ def decode_tensor_delta(old: np.ndarray | None, payload: bytes | memoryview, dty
     """
     if old is None:
         if payload_version(payload) == 1:
-            header = codec_v1._read_header(memoryview(payload))
+            header = v1._read_header(memoryview(payload))
             return decode_full(payload, dtype, header.n_elements * header.width)
         return decode_full(payload, dtype, _v2().full_payload_nbytes(payload))
     return decode(old, payload, dtype, _as_bytes(old, "old").size)
