@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import mmap
 import os
+import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
 from . import codec, store_keys
 from .chain import ChainReader
 from .checksum import BlobDigest, checksum, verify_blob
-from .errors import ChainError, ChecksumMismatchError, CorruptDataError, IncompatibleSnapshotError
+from .errors import ChainError, ChecksumMismatchError, CorruptDataError, IncompatibleSnapshotError, NotFoundError
 from .manifest import BlobEntry, Encoding, Manifest, SnapshotKind, TensorEntry
 from .stores import Store
 from .tensors import HostTensor, StateDict
@@ -146,6 +149,10 @@ def verify_tensor(manifest: Manifest, t: TensorEntry, tensor: HostTensor) -> Non
 #: host memory next to the weights it becomes.
 STREAM_PIECE_BYTES = 32 << 20
 
+#: Encoded tensor bytes of one streamed shard kept in memory until the shard verifies; beyond
+#: this they wait in an unlinked temporary file (``$TMPDIR``), so host memory stays bounded.
+SPOOL_MEMORY_BYTES = 32 << 20
+
 
 async def stream_snapshot(
     store: Store,
@@ -160,11 +167,15 @@ async def stream_snapshot(
     threads: int | None = None,
 ) -> StateDict:
     """:func:`apply_snapshot` into ``out`` with every shard fetched in pieces of ``piece_bytes``
-    (default :data:`STREAM_PIECE_BYTES`; the next piece is fetched while one is applied): host
-    memory beyond ``out`` is two pieces and the largest encoded tensor, not the snapshot. A
-    shard's size, xxh3 and (when ``authenticated``) SHA-256 are checked over its pieces, every
-    tensor's checksum once all are written; as with ``out`` in :func:`apply_snapshot`, a failure
-    leaves ``out`` partly written."""
+    (default :data:`STREAM_PIECE_BYTES`; the next piece is fetched while one is handled).
+
+    Nothing is decoded before it is verified: a shard's size, xxh3 and (when ``authenticated``)
+    SHA-256 are computed over its pieces as they arrive, raw tensors are copied into ``out``
+    (which the engine does not use until the whole update has verified), and encoded tensors are
+    gathered (beyond :data:`SPOOL_MEMORY_BYTES`, in a temporary file) and handed to the codec only
+    once the whole shard matched its digests. Host memory beyond ``out`` is two pieces and the
+    spool's memory part, not the snapshot. Every tensor's checksum is checked once all are
+    written; as with ``out`` in :func:`apply_snapshot`, a failure leaves ``out`` partly written."""
     timings = {} if timings is None else timings
     piece_bytes = piece_bytes or STREAM_PIECE_BYTES
     check_applicable(prev, manifest, out)
@@ -172,8 +183,8 @@ async def stream_snapshot(
     with ThreadPoolExecutor(threads or decode_threads(), thread_name_prefix="delta-swap-decode") as pool:
         for shard in manifest.shards:
             tensors = sorted((t for t in manifest.tensors if t.shard == shard.name), key=lambda t: t.offset)
-            writer = _ShardWriter(manifest, shard, tensors, prev, out, pool, authenticated, rebuilt)
-            await _stream_shard(store, manifest, shard, writer, piece_bytes, progress, timings)
+            with _ShardWriter(manifest, shard, tensors, prev, out, pool, authenticated, rebuilt) as writer:
+                await _stream_shard(store, manifest, shard, writer, piece_bytes, progress, timings)
         t0 = time.perf_counter()
         for t in manifest.tensors:
             if t.shard is None:
@@ -192,39 +203,95 @@ async def _stream_shard(store: Store, manifest: Manifest, shard: BlobEntry, writ
     key = store_keys.shard_key(manifest.snapshot_id, shard.name)
     what = f"shard {shard.name} of {manifest.snapshot_id}"
     size = await store.size(key)
-    if size != shard.size:
+    if size is None:
+        raise NotFoundError(f"{key} not found in {store.public_url}")
+    if size >= 0 and size != shard.size:  # -1: the server does not say (the pieces are counted instead)
         raise CorruptDataError(f"{what} has {size} bytes, expected {shard.size}")
-
-    async def fetch(start: int, end: int) -> bytes:
-        data = await store.get(key, start, end, max_bytes=end - start)
-        if len(data) != end - start:
-            raise CorruptDataError(f"{what}: bytes {start}-{end} came back with {len(data)} bytes")
-        return data
-
-    pieces = [(start, min(start + piece_bytes, shard.size)) for start in range(0, shard.size, piece_bytes)]
-    ahead = asyncio.ensure_future(fetch(*pieces[0])) if pieces else None
+    pieces = store.read_pieces(key, shard.size, piece_bytes)
+    ahead: asyncio.Future | None = None
     try:
-        for i, (start, _end) in enumerate(pieces):
+        start = 0
+        ahead = asyncio.ensure_future(anext(pieces, None))
+        while True:
             t0 = time.perf_counter()
-            assert ahead is not None
             data = await ahead
-            ahead = asyncio.ensure_future(fetch(*pieces[i + 1])) if i + 1 < len(pieces) else None
+            if data is None:
+                break
+            end = min(start + piece_bytes, shard.size)
+            if len(data) != end - start:
+                raise CorruptDataError(f"{what}: bytes {start}-{end} came back with {len(data)} bytes")
+            ahead = asyncio.ensure_future(anext(pieces, None)) if end < shard.size else None
             t1 = time.perf_counter()
             await asyncio.to_thread(writer.add, start, data)
             timings["fetch"] = timings.get("fetch", 0.0) + t1 - t0
             timings["decode"] = timings.get("decode", 0.0) + time.perf_counter() - t1
             if progress:
                 progress(len(data))
+            start = end
+            if ahead is None:
+                break
+        if start != shard.size:
+            raise CorruptDataError(f"{what} ended after {start} of {shard.size} bytes")
     finally:
-        if ahead is not None:
+        if ahead is not None:  # a piece fetched ahead that is no longer wanted (or failed too)
             ahead.cancel()
-    writer.finish(what)
+            try:
+                await ahead
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the first error is the one raised
+                pass
+        await pieces.aclose()
+    t0 = time.perf_counter()
+    await asyncio.to_thread(writer.finish, what)  # verify the whole shard, then decode
+    timings["decode"] = timings.get("decode", 0.0) + time.perf_counter() - t0
+
+
+class _Spool:
+    """Bytes appended in order, kept in memory up to ``limit`` and in an unlinked temporary file
+    beyond; :meth:`view` maps them back once they are complete."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.size = 0
+        self._memory = bytearray()
+        self._file: Any = None
+        self._map: mmap.mmap | None = None
+
+    def write(self, data: np.ndarray) -> None:
+        if self._file is None and self.size + len(data) > self.limit:
+            self._file = tempfile.TemporaryFile(prefix="delta-swap-spool-")
+            self._file.write(self._memory)
+            self._memory = bytearray()
+        if self._file is not None:
+            self._file.write(memoryview(data))
+        else:
+            self._memory.extend(memoryview(data))
+        self.size += len(data)
+
+    def view(self) -> np.ndarray:
+        if self._file is None:
+            return np.frombuffer(self._memory, dtype=np.uint8)
+        self._file.flush()
+        if self._map is None and self.size:
+            self._map = mmap.mmap(self._file.fileno(), self.size, access=mmap.ACCESS_READ)
+        return np.frombuffer(self._map, dtype=np.uint8) if self._map is not None else np.zeros(0, np.uint8)
+
+    def close(self) -> None:
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a decoded view still refers to it: the garbage collector closes it
+                pass
+            self._map = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self._memory = bytearray()
 
 
 class _ShardWriter:
-    """Applies one shard's bytes, arriving in order, to ``out``: raw tensors are copied piece by
-    piece, encoded ones gathered until whole and then decoded (on ``pool``); the shard's digests
-    are computed on the way."""
+    """Takes one shard's bytes, arriving in order: raw tensors are copied into ``out`` piece by
+    piece, encoded ones spooled; :meth:`finish` checks the shard's digests and only then decodes
+    the encoded tensors (on ``pool``)."""
 
     def __init__(self, manifest: Manifest, shard: BlobEntry, tensors: list[TensorEntry], prev: StateDict | None,
                  out: StateDict, pool: ThreadPoolExecutor, authenticated: bool, rebuilt: dict[str, HostTensor]) -> None:
@@ -232,42 +299,51 @@ class _ShardWriter:
         self.pool, self.rebuilt = pool, rebuilt
         self.authenticated = authenticated
         self.digest = BlobDigest(sha256=authenticated)
-        self.next = 0  # the first tensor not yet complete (tensors are sorted by offset)
-        self.gathering: dict[str, bytearray] = {}
+        self.next = 0  # the first tensor not yet complete (tensors are sorted by offset, ranges disjoint)
+        self.spool = _Spool(SPOOL_MEMORY_BYTES)
+        self.spooled: dict[str, int] = {}  # encoded tensor -> where its payload starts in the spool
+
+    def __enter__(self) -> _ShardWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.spool.close()
 
     def add(self, start: int, data: bytes) -> None:
         end = start + len(data)
         self.digest.update(data)
         view = np.frombuffer(data, dtype=np.uint8)
-        whole: list[tuple[TensorEntry, np.ndarray]] = []
         i = self.next
         while i < len(self.tensors):
             t = self.tensors[i]
-            if t.offset > end or (t.offset == end and t.length):  # starts in a later piece
+            if t.offset >= end:  # starts in a later piece
                 break
             lo, hi = max(t.offset, start), min(t.offset + t.length, end)
             if lo < hi and t.encoding is Encoding.RAW:
                 self.out[t.name].data[lo - t.offset:hi - t.offset] = view[lo - start:hi - start]
             elif lo < hi:
-                self.gathering.setdefault(t.name, bytearray()).extend(view[lo - start:hi - start])
-            if t.offset + t.length <= end:  # complete
-                if t.encoding is Encoding.RAW:
-                    self.rebuilt[t.name] = self.out[t.name]
-                else:
-                    whole.append((t, np.frombuffer(self.gathering.pop(t.name, bytearray()), dtype=np.uint8)))
-                if i == self.next:
-                    self.next += 1
+                self.spooled.setdefault(t.name, self.spool.size)
+                self.spool.write(view[lo - start:hi - start])
+            if t.offset + t.length <= end and i == self.next:
+                self.next += 1
             i += 1
-        for t, tensor in zip((t for t, _ in whole), self.pool.map(
-                lambda item: rebuild_tensor(self.manifest, item[0], item[1], self.prev, self.out), whole)):
-            self.rebuilt[t.name] = tensor
 
     def finish(self, what: str) -> None:
-        if self.next < len(self.tensors):  # empty tensors at the very end of the shard
-            self.add(self.shard.size, b"")
-        if self.next < len(self.tensors):
-            raise CorruptDataError(f"{what} ends before tensor {self.tensors[self.next].name}")
+        for t in self.tensors[self.next:]:
+            if t.offset + t.length > self.shard.size:
+                raise CorruptDataError(f"{what} ends before tensor {t.name}")
         self.digest.verify(self.shard.checksum, self.shard.sha256 if self.authenticated else None, what)
+        payloads = self.spool.view()  # verified: now, and only now, the codec may read it
+        encoded = []
+        for t in self.tensors:
+            if t.encoding is Encoding.RAW:
+                self.rebuilt[t.name] = self.out[t.name]
+            else:
+                at = self.spooled.get(t.name, 0)
+                encoded.append((t, payloads[at:at + t.length]))
+        for (t, _), tensor in zip(encoded, self.pool.map(
+                lambda item: rebuild_tensor(self.manifest, item[0], item[1], self.prev, self.out), encoded)):
+            self.rebuilt[t.name] = tensor
 
 
 async def rebuild(

@@ -15,6 +15,7 @@ import pytest
 from delta_swap import store_keys
 from delta_swap.publisher import Publisher, PublisherConfig
 from delta_swap.settings import Settings
+from delta_swap.stores import Store
 from delta_swap.subscriber import Subscriber
 from delta_swap.testing import RecordingAdapter
 from tests.support.chains import assert_state_equal, rl_steps
@@ -276,6 +277,8 @@ def test_files_left_by_killed_servers_are_removed_and_live_ones_kept(tmp_path) -
 
 class _RangeLog:
     """A store that records every read (key, start, end) and otherwise is the store it wraps."""
+
+    read_pieces = Store.read_pieces  # pieces through the recording get
 
     def __init__(self, store) -> None:
         self._store, self.reads = store, []

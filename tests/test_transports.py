@@ -379,3 +379,131 @@ async def test_http_stores_refuse_oversized_answers_and_redirects(quirky_http) -
         await redirected.get_if_changed("HEAD", None)
     await too_much.close()
     await redirected.close()
+
+
+# ---------------------------------------------------------------------- servers without Range, compressing CDNs
+
+
+@pytest.fixture
+def plain_http_server(tmp_path):
+    """``python -m http.server`` on a folder (it answers every GET with the whole file, 200), its
+    request log in a file: (method, path, status) per request."""
+    import re
+    import subprocess
+    import sys
+
+    root = tmp_path / "bucket"
+    root.mkdir()
+    log = tmp_path / "http.server.log"
+    with open(log, "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-u", "-m", "http.server", "--bind", "127.0.0.1", "0",
+                                 "--directory", str(root)], stdout=subprocess.PIPE, stderr=err)
+    try:
+        line = proc.stdout.readline().decode()
+        port = int(re.search(r"port (\d+)", line).group(1))
+
+        def requests() -> list[tuple[str, str, int]]:
+            found = re.findall(r'"(GET|HEAD) (\S+) HTTP/[\d.]+" (\d+)', log.read_text())
+            return [(m, p, int(s)) for m, p, s in found]
+
+        yield root, f"http://127.0.0.1:{port}", requests
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+async def test_a_server_that_ignores_range_is_read_once_per_shard(plain_http_server, tmp_path, monkeypatch) -> None:
+    """Streamed into an arena in 1000-byte pieces, each shard costs one GET (plus, once per store,
+    the ranged GET that showed the server ignores Range), not one whole download per piece."""
+    import httpx
+
+    from delta_swap import rebuild
+
+    root, url, requests = plain_http_server
+    ranged = httpx.get(f"{url}/nothing-yet", headers={"Range": "bytes=0-0"})
+    assert ranged.status_code == 404
+    monkeypatch.setattr(rebuild, "STREAM_PIECE_BYTES", 1000)
+    steps = rl_steps(3, lr=2e-4)
+    _publish(str(root), steps)
+    shard_paths = sorted("/" + p.relative_to(root).as_posix() for p in root.glob("snapshots/*/shard-*"))
+    assert httpx.get(url + shard_paths[0], headers={"Range": "bytes=0-9"}).status_code == 200  # Range ignored
+    sizes = {p: (root / p[1:]).stat().st_size for p in shard_paths}
+    assert all(size > 2 * 1000 for size in sizes.values())
+    before = len(requests())
+    engine = RecordingAdapter(arena_dir=str(tmp_path))
+    store = HttpStore(url, HttpConfig(retry=FAST_RETRY, part_size=400))
+    sub = Subscriber(Settings(store=url), engine, store=store)
+    assert await sub.sync(), sub.status()["last_error"]
+    assert sub.current.step == 2 and sub.status()["last_update_path"] == [
+        "step-0000000000", "step-0000000001", "step-0000000002"]
+    await sub.stop()
+    assert_state_equal(engine.weights, steps[2])
+    gets = [p for m, p, _ in requests()[before:] if m == "GET"]
+    per_shard = [gets.count(p) for p in shard_paths]
+    # The first shard: the ranged parts of its first piece (answered 200, dropped after the
+    # headers) and one whole read; every later shard: one read.
+    assert per_shard[0] <= 1 + -(-1000 // 400) and per_shard[1:] == [1] * (len(shard_paths) - 1), per_shard
+
+
+@pytest.fixture
+def gzip_http(tmp_path, loop_thread):
+    """Static files behind aiohttp's own response compression: ``/polite`` compresses whole
+    answers when the request accepts it (as CDNs do) and serves ranges as stored; ``/gzip`` and
+    ``/deflate`` compress every answer whatever the request accepts, ignoring Range. Records each
+    request's Accept-Encoding."""
+    from aiohttp import web
+
+    root = tmp_path / "bucket"
+    root.mkdir()
+    accepted: list[str] = []
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        mode, _, key = request.match_info["tail"].partition("/")
+        accepted.append(request.headers.get("Accept-Encoding", ""))
+        path = root / key
+        if not path.is_file():
+            raise web.HTTPNotFound()
+        data = path.read_bytes()
+        rng = request.headers.get("Range")
+        if rng and mode == "polite":
+            first, last = (int(x) for x in rng.removeprefix("bytes=").split("-"))
+            return web.Response(status=206, body=data[first:last + 1],
+                                headers={"Content-Range": f"bytes {first}-{last}/{len(data)}"})
+        resp = web.Response(body=data)
+        resp.enable_compression(None if mode == "polite" else web.ContentCoding(mode))
+        return resp
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    return root, loop_thread.serve(app), accepted
+
+
+@pytest.mark.parametrize("mode", ["polite", "gzip", "deflate"])
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_gzip_compressing_servers_are_read_as_stored(gzip_http, tmp_path, monkeypatch, mode, streamed) -> None:
+    """Reads ask for ``Accept-Encoding: identity`` (a polite CDN then sends the bytes as stored);
+    a server that compresses anyway is inflated, never past the size the reader allows."""
+    import httpx
+
+    from delta_swap import rebuild
+
+    root, url, accepted = gzip_http
+    steps = rl_steps(3, lr=2e-4)
+    _publish(str(root), steps)
+    head = httpx.get(f"{url}/{mode}/HEAD", headers={"Accept-Encoding": "gzip"})
+    assert head.headers.get("content-encoding") in ("gzip", "deflate")  # it compresses when allowed
+    if streamed:
+        monkeypatch.setattr(rebuild, "STREAM_PIECE_BYTES", 1000)
+    accepted.clear()
+    engine = RecordingAdapter(arena_dir=str(tmp_path) if streamed else None)
+    store = HttpStore(f"{url}/{mode}", HttpConfig(retry=FAST_RETRY, part_size=400))
+    sub = Subscriber(Settings(store=f"{url}/{mode}"), engine, store=store)
+    assert await sub.sync(), sub.status()["last_error"]
+    assert sub.current.step == 2
+    assert_state_equal(engine.weights, steps[2])
+    assert accepted and set(accepted) == {"identity"}
+    if mode != "polite":  # bounded: a body that inflates past the allowed size is cut off
+        (root / "HEAD").write_bytes(b" " * 100_000)
+        with pytest.raises(ObjectTooLargeError):
+            await store.get_if_changed("HEAD", None, max_bytes=4096)
+    await sub.stop()

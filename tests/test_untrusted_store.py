@@ -20,7 +20,7 @@ from delta_swap.stores import FileStore
 from delta_swap.stores.base import ObjectTooLargeError
 from delta_swap.subscriber import Subscriber
 from delta_swap.testing import RecordingAdapter
-from tests.support.chains import rl_steps
+from tests.support.chains import assert_state_equal, rl_steps
 
 
 @pytest.fixture
@@ -165,3 +165,43 @@ async def test_manifest_parsing_is_bounded_by_the_served_model(chain) -> None:
     assert Manifest.from_json(data).step == 2
     with pytest.raises(CorruptDataError, match="more than"):
         Manifest.from_json(data, max_bytes=100)
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+async def test_a_tampered_shard_never_reaches_the_codec(tmp_path, monkeypatch, streamed) -> None:
+    """With a trusted key, a delta shard whose last byte was changed is refused on its digests
+    before the codec reads any of it: streamed into an arena in pieces (each tensor's payload is
+    complete long before the shard ends) or fetched whole."""
+    from delta_swap import rebuild
+    from delta_swap.signing import generate_keypair
+
+    key, pub = generate_keypair(tmp_path / "trainer.key")
+    monkeypatch.setattr(rebuild, "STREAM_PIECE_BYTES", 256 if streamed else 1 << 30)
+    store = tmp_path / "store"
+    steps = rl_steps(2, lr=2e-4)
+    with Publisher(str(store), PublisherConfig(base_every=100, signing_key=str(key))) as pub_:
+        pub_.publish(0, steps[0])
+    engine = RecordingAdapter(arena_dir=str(tmp_path))
+    sub = Subscriber(Settings(store=str(store), trusted_key=str(pub)), engine)
+    assert await sub.sync() and sub.current.step == 0
+    with Publisher(str(store), PublisherConfig(base_every=100, signing_key=str(key))) as pub_:
+        pub_.publish(1, steps[1])
+    manifest = await ChainReader(FileStore(store)).manifest("step-0000000001")
+    shard_entry = manifest.shards[0]
+    assert manifest.kind == "delta" and (not streamed or shard_entry.size > 4 * 256)
+    assert min(t.offset + t.length for t in manifest.tensors if t.shard) < shard_entry.size - 256
+    shard = store / store_keys.shard_key("step-0000000001", shard_entry.name)
+    good = shard.read_bytes()
+    shard.write_bytes(good[:-1] + bytes([good[-1] ^ 0x01]))
+
+    calls: list[str] = []
+    for name in ("decode", "decode_into", "payload_method"):
+        real = getattr(rebuild.codec, name)
+        monkeypatch.setattr(rebuild.codec, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    assert not await sub.sync()
+    assert "mismatch" in sub.status()["last_error"] and sub.current.step == 0
+    assert calls == []  # refused on the shard's digests: not one payload was parsed
+    shard.write_bytes(good)
+    assert await sub.sync() and sub.current.step == 1 and calls  # the same path decodes a good shard
+    assert_state_equal(engine.weights, steps[1])
+    await sub.stop()

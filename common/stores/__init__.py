@@ -6,7 +6,7 @@ from collections.abc import Callable
 from urllib.parse import unquote, urlparse
 
 from ..errors import StoreError
-from .base import Store, check_key
+from .base import Store, check_key, public_url
 from .file import FileStore
 
 _BACKENDS: dict[str, Callable[[str, bool], Store]] = {}
@@ -21,7 +21,7 @@ def _open_file(url: str, create: bool) -> Store:
     parsed = urlparse(url)
     path = unquote(parsed.path) if parsed.scheme == "file" else url
     if parsed.scheme == "file" and parsed.netloc not in ("", "localhost"):
-        raise StoreError(f"file URLs must be local: {url}")
+        raise StoreError(f"file URLs must be local: {public_url(url)}")
     return FileStore(path, create=create)
 
 
@@ -53,7 +53,7 @@ def open_store(url: str, *, create: bool = False) -> Store:
     if scheme in ("", "file") or (len(scheme) == 1 and url[1:3] in (":\\", ":/")):
         return _open_file(url, create)
     if scheme not in _BACKENDS:
-        raise StoreError(f"unsupported store URL {url!r} (known schemes: {', '.join(sorted(_BACKENDS))})")
+        raise StoreError(f"unsupported store URL {public_url(url)!r} (known schemes: {', '.join(sorted(_BACKENDS))})")
     return _BACKENDS[scheme](url, create)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import re
 from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
 from urllib.parse import urlsplit, urlunsplit
 
 import xxhash
@@ -104,6 +105,14 @@ class Store(ABC):
         it first. Backends override this with an atomic compare-and-swap; the default raises
         NotImplementedError."""
         raise NotImplementedError(f"{type(self).__name__} has no conditional writes")
+
+    async def read_pieces(self, key: str, size: int, piece_bytes: int) -> AsyncIterator[bytes]:
+        """Bytes ``[0, size)`` of ``key`` in consecutive pieces of ``piece_bytes`` (the last one
+        shorter), each read when the caller asks for it: a large object never sits whole in memory.
+        Backends whose servers may ignore ranges override this to read such an object once."""
+        for start in range(0, size, piece_bytes):
+            end = min(start + piece_bytes, size)
+            yield await self.get(key, start, end, max_bytes=end - start)
 
     async def exists(self, key: str) -> bool:
         return await self.size(key) is not None

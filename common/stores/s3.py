@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 
 from ..errors import NotFoundError, StoreError, TransientError
 from ..retry import RetryPolicy, retry
-from .base import RangedStore, check_key, check_size
+from .base import RangedStore, check_key, check_size, public_url
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class S3Store(RangedStore):
     def __init__(self, url: str, config: S3Config = S3Config()) -> None:
         parsed = urlparse(url)
         if parsed.scheme != "s3" or not parsed.netloc:
-            raise StoreError(f"not an s3:// URL: {url}")
+            raise StoreError(f"not an s3:// URL: {public_url(url)}")
         self.url = url
         self.bucket = parsed.netloc
         self.prefix = parsed.path.strip("/")
