@@ -360,9 +360,7 @@ def test_decoder_only_warm_up_decodes_its_stored_payloads() -> None:
     for dtype in v2.FLOATS:
         old, new = v2._warm_up_tensors(dtype)
         assert (old != new).any()
-    import base64  # the predicted-sign kernels are warmed up too: one stored payload uses them
-
-    signs = base64.b64decode(v2._WARM_UP_PAYLOADS["BF16 signs"])
+    signs = v2._stored_payload("BF16 signs")  # the predicted-sign kernels are warmed up too
     old, new = v2._warm_up_sign_tensors()
     assert signs[6] == v2.FLAG_SIGN_MODEL and np.array_equal(codec.decode(old, signs, "BF16", old.size), new)
     first = codec.start_warm_up(encoder=False)
@@ -372,7 +370,6 @@ def test_decoder_only_warm_up_decodes_its_stored_payloads() -> None:
 
 
 _LLVM_RESIDENT = """
-import base64
 import numpy as np
 from delta_swap import codec
 from delta_swap.codec import v2
@@ -394,7 +391,7 @@ after = resident_kb()
 for dtype in v2.FLOATS:  # decoding still works, and bit-exact
     old, new = v2._warm_up_tensors(dtype)
     out = old.copy()
-    codec.decode_into(out, base64.b64decode(v2._WARM_UP_PAYLOADS[dtype]), dtype)
+    codec.decode_into(out, v2._stored_payload(dtype), dtype)
     assert np.array_equal(out, new), dtype
 print(loaded, after, resident_kb())
 """

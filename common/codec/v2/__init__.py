@@ -37,10 +37,13 @@ wrong tensor, which the reader's checksum rejects.
 from __future__ import annotations
 
 import base64
+import json
 import os
 import sys
 import tempfile
 import threading
+from functools import cache
+from importlib import resources
 
 import numpy as np
 import zstandard
@@ -1741,17 +1744,31 @@ def _warm_up_sign_tensors() -> tuple[np.ndarray, np.ndarray]:
     return u.view(np.uint8), v.astype(np.uint16).view(np.uint8)
 
 
+@cache
+def _stored_payloads() -> dict[str, str]:
+    """warm_up_payloads.json (shipped with the package), base64 payloads by case: "BF16", "F16" and
+    "F32" are ``encode_delta(*_warm_up_tensors(dtype), dtype, (8, 256), dense_fraction=2.0)``,
+    "BF16 signs" is ``encode_delta(*_warm_up_sign_tensors(), "BF16", (64, 256), dense_fraction=2.0)``
+    (predicted signs), each as written when it was stored (later encoders may write other bytes)."""
+    return json.loads(resources.files(__package__).joinpath("warm_up_payloads.json").read_text())
+
+
+def _stored_payload(name: str) -> bytes:
+    """The stored payload of one warm-up case (see :func:`_stored_payloads`)."""
+    return base64.b64decode(_stored_payloads()[name])
+
+
 def warm_up(encoder: bool = True) -> None:
     """Compile (or load from numba's on-disk cache) the decoder's kernels, and the encoder's
     unless ``encoder`` is False, by coding small tensors of each float dtype with every coding
-    mode. The decoder-only warm-up decodes payloads stored in this module, so a server does not
+    mode. The decoder-only warm-up decodes payloads stored with the package, so a server does not
     compile the encoder it never uses. Call it early, e.g. in a background thread, so the first
     real payload does not wait for the JIT."""
     cases = [(dtype, *_warm_up_tensors(dtype), (8, 256)) for dtype in FLOATS]
     cases.append(("BF16 signs", *_warm_up_sign_tensors(), (64, 256)))
     for name, old, new, shape in cases:
         dtype = name.split()[0]
-        payloads = [base64.b64decode(_WARM_UP_PAYLOADS[name])]
+        payloads = [_stored_payload(name)]
         if encoder:
             payloads.append(encode_delta(old, new, dtype, shape, dense_fraction=2.0))
         for payload in payloads:
@@ -1759,83 +1776,3 @@ def warm_up(encoder: bool = True) -> None:
             decode_into(out, payload, dtype)
             if not np.array_equal(out, new):
                 raise RuntimeError(f"codec v2 self-test failed for {name}")
-
-
-#: encode_delta(*_warm_up_tensors(dtype), dtype, (8, 256), dense_fraction=2.0), base64; "BF16 signs":
-#: encode_delta(*_warm_up_sign_tensors(), "BF16", (64, 256), dense_fraction=2.0) (predicted signs)
-_WARM_UP_PAYLOADS = {
-    "BF16": (
-        "RFNDMgECAIAQ8ASAAgEDAQUAGAJ5AQcAGQKCAQEHABkCegEHABgDfH8BBgAZAnwBB/chkkj/oOIvJH5A6Q8a/CGC/hTI38A/CvTX"
-        "gPoHGP1Bgf9BQr8owb9E/1HBXynoP4LUr5DSC2S/BJG/EKJ/pPBvFqZ/oOAvNPADhH7BCn8YYL8E2H8APwL8dwLpHzD0Cxr46z1g"
-        "txvwPoBdF+C1A7h7Abu3AHuA9t6A9h1Arw346v+Bpf6gwB8KfyBBvxjg30KsX4HiKsD+BEq/QYQ/mKBfimySIMlyuE2CSwYAgEVt"
-        "AhfQC2qTBFQyYIDZBJhMAn7BAT9JEqAXqCRJgALsAipqksSsuCRJxK/bJIkLQ20CAMCGyoThEswkMSHrM4lPsprehE6SRSeToAMV"
-        "AABmsbBJYJNkISAbfECSJHALDS5JJtCgFgCAAZtkAtQCG0AFAIBNJoBZQJJMAshtZ5IALioLKLtJbJIsAAAjZDdJApj8AL9JbpIA"
-        "Wm0AFQlNkoSahFkMAACTcEnCLzf4JEkwqE2SBLWwoJMk8GAW2CRJwCwQAAAGVJIk4Ae4BTpJgEkC7AI2A9gkAQAAK0CSBJCkgAN8"
-        "JYBPEkAvSQAkLgVwupLoJGVURUIlAACgFlIeS5aELy5LEi64wgcsWRL4gsuSBA5cgU6SgA7QKTCgKglQSYAAVgEfwJIEF5AsHh4A"
-        "gEky8ElgQA9UQCdZoJMM0Al4wGYC2CRZQIDKJ0myDQDALKB1kiSAsWuSZNllsEmSIMsnSYYPDgDAoZMJOlks7CSwSbIQAhJIUEBC"
-        "JBBABAEogEAgkEACIiAACUAgggQkhAQkQAwQCAJABKAAAgIIEIACkECABAiQgAQkhAQEIYEAJIAAEAgEQiAQgAQgKIBAQEhAAA=="
-    ),
-    "F16": (
-        "RFNDMgECAIAQ8ASAAgEDAQEADwTwBAEw8BDZAbgDAA0NEyETIRsTGxMhGxMbEyETExsbExsbExsNIRsNGxoaGgYoIRMTEyETIRr6"
-        "AaYNkk+2JsnaZFmaNMuTZG2SLU3SpUuytEmWJsnTLFmaJluTlibN8iRZmmTLk3TpkixtkqVJ8jRLl6bJ1iRZmyxLk2Z5kixNsqVJ"
-        "unRJljbJ1iR5miVL02RrkqxNnqVJszxJlpIuXZKlTbI0SZ5mydI02Zoka5NladItT5KlSbY0SZcuydImWZokT7NkaZpsTZK1ybI0"
-        "aZYnydIkW5qsS5dkaZMK9MJBBXoAUKIfPHS4Av3QgQr0AwWV6IMK9IOFFegHDh2qRC8sqEAvCCjNDx+qRD9woAI9BAEEIQQhAEEE"
-        "IgggBCEEAUIQAghEIIIAQhCEIIAghCAEEEQgggCEIIQggCAIQQgIRBBACEIIAghCCIQAgghEAEAIQggCCEIIQgBBCEQQ+gHdIQEA"
-        "Ix8jQW447C0ndUGmZtYdpXbSkZiFh+Txy4gVOE6Frmt2FQESz5a1sixH4FyLJqTxtZacxP5jcRQhNlDHAjZhNawx7sCRYA3ll8q4"
-        "hKmBBUNq3S45hWSAVfAV80duuTS5CErIke49eB4o+NOm2jd/xrInDUvWca/MNrCd1gtI14Tc3DQWiTNJ5kz06V8Pboqa+fK2WIlX"
-        "uuYmpWKkkCaQcOMYfSm8hI/oM7Gg5enhCthokpUua6ck2ENSu+iENRNrkqgsJ/LmWzMtJQ8xKYCldvN3leuNZa5wSbjN79VxJ9iZ"
-        "hHARd/MCcwzX49bD8uQx9kFF/T/3"
-    ),
-    "F32": (
-        "RFNDMgEEAIAQ8ASAAgEDAQYAFgRyAQSQEdcB0wPGCQASBF4BBP4OhQKKBPMKABkEeQEE3RGpAfQChgoAGAR9AQTzEIYCygO9CQAZ"
-        "BH4BBMIQ4wHnA/QJAAgELAEC9RKLDc4ckuQ/qPiD4geUPzj4Q4A/BfI38EeB/gz0H2D8wcBfQD4UftIfiR8JP0J+Ur/RR+JPQD8S"
-        "Pxn/DSD9Bgw/gPoLWP+Bhf6gwL8M4ECCfjHAvwKsX4Hif6D+EsS/oH4S5G8B6R9U/IUE/yj9QYN/RLA/BfI3QPmfQPkbRPQH1a9A"
-        "4h8k9IsS/EtAOyr4KwX9R5D+CiH9QzxzDBYezxyODQ48fCELWcDiFreohTdIYzRGIzRQAzVMozRaYzVUQzXg4UMHEkkokUQSTPjV"
-        "//8nnOACFpNYQgkl/ur//xNf2IJf/P//YhfbAA2w8EZpjBf//98QDdWIjfjq//8br+EOFAwOHzz44v//EztUWJDA4QOJJ7awhBe0"
-        "mBf//7+ARS5igQtczKIXtejFNsjiG6mRGqcxGq7BGqsxG6gRG7ABD7z4///GabzGabQGa7CGbKhGPHzwYIKJJZbIAhaQcKKLWsyC"
-        "F9oIjfDi//8Xv/CGaZDGaIxGaqAGaoDFL75RGqRBGqsxG6sRG7ABDxS++v//wkECCRw8lGiiC1rQQha5iEUu7pX//y9s4Qtb8GIX"
-        "2wgNsMiFvvz//wUvvIEasMFe/v9/gzbiIOFAMYOFLTYCEigogBAEASQIoAACQSACIhQECggiEIQQkAEBFABAAASBAAGBAApAECAQ"
-        "QAQFKCCBhBCQECIQQAESiBACEkICCSgIQAIAiBAEAAAAIgR8257VALHcJ1ylRBbCpcd4s//ZcGzcTqYZpfyLt/FqatNqDuPtJf/1"
-        "hC+XXXIbEEBkEjASwDZvT5YV5mS2dEYwjP5fWGut7MHqXHyVGuFOY3BrsO1kBxyYf1SHsH9d6lWMFFws5Q1NNgCD91fJSu6q1DKg"
-        "t3+DXmlq1UI82Q=="
-    ),
-    "BF16 signs": (
-        "RFNDMgECAYCAAa5VgAIAAXgHAdIqrlUCuG3cfg/t99D/LP6f27+P/2fx/yx+D+338f9z+z2030P7Wfw/t/8f/c/i/1n8f3i/j//f"
-        "x++h/R7a78X/c/v/uf0s/p/F/7P2+/j/ffw/tN9D+z30P7f/n9vvxf+z+H8Wv4//38f/s/Z7aL+H9nP7/7n9Hvqfxf+z+H/0/z7+"
-        "n8Xvof0e2u/j93P7PbSfxf+z+H9u/z7+n8X/Q/s9tN/H/8/t99B+D/3P4v+5/f/x/yz+n8Xvw/t9/P++/R7a76H9LP6f2//P/c/i"
-        "/1n8f3i/j//fx++h/R7a78X/c/v/uf0s/p/F/7P2+/j/ffw/tN9D+z30P7f/n9vvof9Z/D+L38f/7+P/Wfwe2u+h/dx+P7ffQ/tZ"
-        "/D+L/0f/7+P/Wfw/tN9D+338fm6/h/Z78f8s/p/bv4//Z/H/rP0+vN/H/8/t99B+D/3P4v+5/f/x/yz+n8Xvw/t9/P++/R7a76H9"
-        "LP6f2//P/c/i/1n8P7Tfx//v4/fQfg/t99D/3P5/bj+L/2fx/yx+H/+/j/+H9ntov4f2c/v93H4P/c/i/1n8f/z/Pv6fxe+h/R7a"
-        "79vv5/Z7aD+L/2fx/9z/+/h/Fv8P7ffh/T5+P7ffQ/u9+H8W/8/t38f/s/h/1n4f3u/j/+f2e2i/h/5n8f/c/v/4fxb/z+L34f0+"
-        "/n/ffg/t99B+Fv/P7f/n/mfx/yz+H9rv4//38Xtov4f2e+h/br+f28/i/1n8P4vfx//v4/+h/R7a76H93H4/t99D/7P4fxb/H/+/"
-        "j/9n8Xtovw/v9+33c/s9tJ/F/7P4f+7/ffw/i/+H9vvwfh+/n9vvof1e/D+L/+f27+P/Wfw/a78P7/fx/3P7PbTfQ/+z+H9u/z/6"
-        "n8X/s/h9eL+P/9/H76H9HtrP4v+5/X5uP4v/Z/H/0H4f/7+P/4f2e2i/h/7n9vu5/V78P4v/Z/H7+P99/D9rv4f2+/B+br+f2++h"
-        "/1n8P4v/j//fx/+z+D2034f3+/b7uf0e2s/i/1n8P/f/Pv6fxf9D+314v4/fz+330H4P/c/i/7n9+/h/Fv/P4vfh/T7+f26/h/Z7"
-        "aD+L/+f2+9H/LP6fxf+H9/v4/338Htrvof1e/D+338/tZ/H/LP6ftd/H/+/j/6H9Htrvw/9z+/3cfi/+n8X/s/h9/P8+/p+130P7"
-        "fXg/t9/P7ffQ/yz+n8X/o//38f8sfg/t9+H9Pn4/t99D+1n8P4v/5/bv4/9Z/D+034f3+/j/uf0e2u+h/1n8P7ffH//P4v9Z/D68"
-        "38f/79vvof0e2s/i/7n9fvQ/i/9n8f/h/T7+fx+/h/Z7aL9v/p/b7+f2s/h/Fv/P2u/j//fx/9B+D+334f+5/X5uvxf/z+L/Wfw+"
-        "/n8f/8/a76H9Pryf2+/n9nvofxb/z+L/0f98/D+L30P7fXi/j9/P7ffQfhb/z+L/uf18/D+L/4f2+/B+H/8/t99D+z30Pzf/z+33"
-        "x/+z+H8Wvw/v9/H/+/Z7aL+H9nPz/9x+P/c/i/9n8f/h/T7+fx+/h/Z7aL9v/p/b7+f2s/h/Fv/P2u/j//fx/9B+D+334f+5/X5u"
-        "v4f+Z/H/LH4f/8/H/7P4PbTfh/dz+/3cfg/tZ/H/LP4f/c/H/7P4f2i/D+/38fu5/R7a78X/c/P/3H4+/p/F/7P2+/B+H/8/t99D"
-        "+z30Pzf/z+33x/+z+H8Wvw/v9/H/+/Z7aL+H9nPz/9x+P/c/i/9n8f/Qfh//v4/fQ/s9tN+H/+f2+7n9LP6fxf+z+H38Px//D+33"
-        "0H4f3s/t93P7PfQ/i/9n8f/x/3z8P4vfQ/t9eL9vv5/b76H9LP6fm//n/ufj/1n8P7Tfh/f7+P3cfg/t9+L/ufl/bj8f/8/i/1n7"
-        "fXi/j/+f2++h/R76n5v/5/b70f8s/p/F78P7ffz/Pn4P7ffQfm7+n9vv5/5n8f8s/h/a7+P/+fg9tN9D+334f26/n9vP4v9Z/D+L"
-        "38f/8/H/0H4P7ffh/dx+P7ffQ/+z+H9u/j/+n4//Z/F7aL8P7/ft93P7PbSfxf9z8//c/3z8P4v/h/b78H4fv5/b76H9Xvw/N//P"
-        "7efj/1n8P2u/D+/38f9z+z2030P/c/P/3H4/+p/F/7P4fXi/j//n4/fQfg/t5+b/uf1+bj+L/2fx/9B+H//Px/9D+z2034f/5/b7"
-        "uf1e/D+L/+fm9/H/fPw/a7+H9vvwfm6/n9vvof9Z/D83/x//z8f/s/g9tN+H9/v2+7n9HtrP4v+5+X/ufz7+n8X/Q/t9eL+P38/t"
-        "99B+D/3Pzf9z+/n4fxb/z+L34f0+/h+330P7PbSfm//n9vvR/yz+n8X/h/f7+H8+fg/t9yNs/1H/b/5S/jC1Ka13KrEzSl2Z1A4I"
-        "USQSPyDklUjtiBl3KrEzSl2Z3A4IUSQSPwDklUntiBF3CrMzSl0IHxgHUCB8YAxwgfChEQItQgTGAbUIHxgHXMR8YJxAi/CBcQsF"
-        "wkfmAbQxGRsH0KJ8YNxCi/CBWQEFwsdkAbQIHxoHVOB8YBxAgfCBUaAFwodwCBUIH0gHUEF8YBxWBfOBEYotwgfSIFQIP5oHUMBk"
-        "bBxQi/KBMQgVwgfmDLQIHwsDVCB8aBxAhRCBcQAFwgfGABUIH9IlUCF8YBxAgfCRccEFwgfGAbQIHxi30CJ8ZB5AEZOxcQAtygfG"
-        "DRUIH5iuFY4CwgGEAcUBCVoh+QEUBQJ0ASoCsAFkAy8AUMQrRF4AH5ngm2/nTjb+Pjs9OUTUzQBB26m2Vm0jNsci0EFLrQHN/yzG"
-        "afsnqZfoFS8cSl20Q5vR65JG0qNjLd+IiE4ipIYyCaLmrk6W8MatjbWI/WJF293uV1JsRc2vN9sL9zCLCEgu1ItgIKo3xly1qXvo"
-        "jKEbYlDXM6HKPiN7V9UXVr6zl1mhek2Ue3atTUFb1DWrTGeICM3U6rIIHuu7zBxmiXKZwccXx6gBJPmOAEKy89FJV/ucGDhu9opR"
-        "og8PCZkxrGkRNylMofkkE/xJGL76WKYx4qqjKC2rmZwqarqS04oltizrGphem5wl+xBOB2DNNC033Kd3YtYy7CY0NOJWds/ts8c3"
-        "b/DelmcGVdHcWRLTqBjjdyhKdJ7oy1wq69unRuwcF3f+OVrTZI4eH8YzKy33C7r6aHkPBjjT8oMprebZz2581RWYDQYAatj2eP/Z"
-        "rgGWUDgEmyxXxeCHGe3thpWi3+dDcf05tzHwqHBX6WbH/xXoPpWdJ3WnKKyzeBjdENwJ2cBBcxDsMEK//Rk1NXnK3zPK69VIq/Jz"
-        "tmT2V5g4HWDkJFXReW/0xiWYZNXo7ffJXy0rrz5AHGoxjG0fuPP2jbOlhAFF9JHfLXXJlw+wwTZr1dQsy6Osehhfboc8p74rPiQn"
-        "28KyKBNC0qhLEuo6TiqFLuOE+DJkYH0LT/imAf7qAx+O1IetERKpvh/pRECMcdvYkH7secPAFrsX2EhPcILVr9ooZXKYrHiIjfAL"
-        "0E/6gvNmsjYw+27rqae7oajFoZTXbuXKXzGtVSGawsxqbWO9p/l2xQReKEZPmqhaduG5C6UMwOXZB3TFbIxc3WuebmyOOFw+YBis"
-        "ywDhOookct8NeL0EImiNkKdb1pXwzygrI14Dkm3wu4zC4UrcgAB9WGiXn+0A"
-    ),
-}
