@@ -24,6 +24,7 @@ from ..errors import CorruptDataError
 from ..host_memory import page_out_library
 from ..manifest import Encoding
 from . import v1
+from .inputs import raw_bytes
 
 #: The codec version new payloads are written with.
 LATEST_VERSION = 2
@@ -125,12 +126,6 @@ def payload_version(payload: bytes | memoryview) -> int:
     return _MAGICS[magic]
 
 
-def _as_bytes(arr: np.ndarray, what: str) -> np.ndarray:
-    if not isinstance(arr, np.ndarray) or arr.dtype != np.uint8 or arr.ndim != 1:
-        raise ValueError(f"{what} must be a 1-D uint8 array of raw tensor bytes")
-    return arr
-
-
 # --------------------------------------------------------------------------- encoder
 
 
@@ -153,12 +148,12 @@ def encode_tensor_delta(
     Returns a full payload when ``old`` is None or when that is smaller than the delta. ``shape``
     (optional) lets codec v2 skip the rows (last dimension) that did not change at all.
     """
-    new = _as_bytes(new, "new")
+    new = raw_bytes(new, "new")
     if old is None:
         return encode_full(new, dtype, config)
     if config.version == 1:
         return v1.encode_tensor_delta(old, new, dtype, config.zstd_level, config.dense_fraction)
-    return _v2().encode_delta(_as_bytes(old, "old"), new, dtype, tuple(shape) if shape else None,
+    return _v2().encode_delta(raw_bytes(old, "old"), new, dtype, tuple(shape) if shape else None,
                               config.zstd_level, config.dense_fraction, config.predict_signs)
 
 
@@ -180,7 +175,7 @@ def decode_into(out: np.ndarray, payload: bytes | memoryview, dtype: str) -> Non
     raises CorruptDataError (if it is only found while applying a v2 delta, ``out`` is then partly
     rewritten: callers verify the checksum of what they rebuild, or discard ``out``).
     """
-    out = _as_bytes(out, "out")
+    out = raw_bytes(out, "out")
     if payload_version(payload) == 1:
         v1.decode_into(out, payload, dtype)
     else:
@@ -203,7 +198,7 @@ def decode(old: np.ndarray | None, payload: bytes | memoryview, dtype: str, nbyt
         return decode_full(payload, dtype, nbytes)
     if old is None:
         raise CorruptDataError("delta payload but no previous tensor to apply it to")
-    old = _as_bytes(old, "old")
+    old = raw_bytes(old, "old")
     if old.size != nbytes:
         raise CorruptDataError(f"previous tensor has {old.size} bytes, delta expects {nbytes}")
     out = old.copy()
@@ -222,4 +217,4 @@ def decode_tensor_delta(old: np.ndarray | None, payload: bytes | memoryview, dty
             header = v1._read_header(memoryview(payload))
             return decode_full(payload, dtype, header.n_elements * header.width)
         return decode_full(payload, dtype, _v2().full_payload_nbytes(payload))
-    return decode(old, payload, dtype, _as_bytes(old, "old").size)
+    return decode(old, payload, dtype, raw_bytes(old, "old").size)

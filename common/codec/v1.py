@@ -37,6 +37,7 @@ import zstandard
 from ..dtypes import ORDERED_FLOAT_DTYPES, dtype_size
 from ..errors import CorruptDataError
 from ..manifest import Encoding
+from .inputs import raw_bytes
 from .zstd_frames import check_frame, decompress_exact
 
 MAGIC = b"DSC1"
@@ -53,12 +54,6 @@ _INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _as_bytes(arr: np.ndarray, what: str) -> np.ndarray:
-    if arr.dtype != np.uint8 or arr.ndim != 1:
-        raise ValueError(f"{what} must be a 1-D uint8 array of raw tensor bytes")
-    return arr
 
 
 def _elements(raw: np.ndarray, elem_size: int) -> np.ndarray:
@@ -119,7 +114,7 @@ def _gap_width(n_elements: int) -> int:
 
 def encode_full(new: np.ndarray, dtype: str, zstd_level: int = 3) -> bytes:
     """Encode one tensor on its own (no reference), byte plane by byte plane."""
-    new = _as_bytes(new, "new")
+    new = raw_bytes(new, "new")
     width = dtype_size(dtype)
     if new.size % width:
         raise ValueError(f"{new.size} bytes is not a whole number of {dtype} elements")
@@ -137,10 +132,10 @@ def encode_tensor_delta(
     Returns a full payload when ``old`` is None or when that is smaller than the delta (tried
     when more than ``dense_fraction`` of the elements changed).
     """
-    new = _as_bytes(new, "new")
+    new = raw_bytes(new, "new")
     if old is None:
         return encode_full(new, dtype, zstd_level)
-    old = _as_bytes(old, "old")
+    old = raw_bytes(old, "old")
     if old.size != new.size:
         raise ValueError(f"old has {old.size} bytes, new has {new.size}")
     width = dtype_size(dtype)
@@ -260,7 +255,7 @@ def decode_into(out: np.ndarray, payload: bytes | memoryview, dtype: str) -> Non
     Every count, length and position is validated before ``out`` is touched, so a crafted payload
     raises CorruptDataError and leaves ``out`` as it was.
     """
-    out = _as_bytes(out, "out")
+    out = raw_bytes(out, "out")
     view = memoryview(payload)
     header = _read_header(view)
     width = dtype_size(dtype)

@@ -50,6 +50,7 @@ import zstandard
 
 from ...dtypes import DTYPE_SIZES
 from ...errors import CorruptDataError
+from ..inputs import raw_bytes
 from ..zstd_frames import check_frame, decompress_exact
 
 
@@ -1373,12 +1374,6 @@ def _readonly(arr: np.ndarray, dtype: type) -> np.ndarray:
     return view
 
 
-def _check_bytes(arr: np.ndarray, what: str) -> np.ndarray:
-    if not isinstance(arr, np.ndarray) or arr.dtype != np.uint8 or arr.ndim != 1:
-        raise ValueError(f"{what} must be a 1-D uint8 array of raw tensor bytes")
-    return arr
-
-
 def _width(dtype: str, nbytes: int) -> int:
     if dtype not in DTYPE_SIZES:
         raise ValueError(f"unknown dtype {dtype!r}")
@@ -1390,7 +1385,7 @@ def _width(dtype: str, nbytes: int) -> int:
 
 def encode_full(new: np.ndarray, dtype: str, zstd_level: int = ZSTD_LEVEL) -> bytes:
     """A payload of ``new`` on its own: byte planes, each zstd-compressed or raw."""
-    new = _check_bytes(new, "new")
+    new = raw_bytes(new, "new")
     width = _width(dtype, new.size)
     return _header(METHOD_FULL, width, new.size // width) + _planes_body(new.view(_UINT[width]), width, zstd_level)
 
@@ -1626,8 +1621,8 @@ def encode_delta(old: np.ndarray, new: np.ndarray, dtype: str, shape: tuple[int,
     of the elements changed, a full payload is returned if it is smaller. ``predict_signs``: try a
     sign model (:mod:`.sign_model`) where the shape allows it. ``class_cost``: see CLASS_COST.
     """
-    new = _check_bytes(new, "new")
-    old = _check_bytes(old, "old")
+    new = raw_bytes(new, "new")
+    old = raw_bytes(old, "old")
     if old.size != new.size:
         raise ValueError(f"old has {old.size} bytes, new has {new.size}")
     width = _width(dtype, new.size)
@@ -1674,7 +1669,7 @@ def decode_into(out: np.ndarray, payload: bytes | memoryview, dtype: str) -> Non
     errors found during the pass (values that do not add up) raise CorruptDataError after part of
     ``out`` was rewritten, so its content is then undefined.
     """
-    out = _check_bytes(out, "out")
+    out = raw_bytes(out, "out")
     view = memoryview(payload).cast("B")
     if len(view) < 8 or bytes(view[:4]) != MAGIC:
         raise CorruptDataError("bad v2 payload magic")
