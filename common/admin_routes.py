@@ -2,10 +2,12 @@
 and ``POST /delta_swap/notify``. Engine-agnostic (FastAPI, which vLLM and SGLang both serve with).
 
 ``status`` is open to anyone and shows no secret. The POST routes move weights or make the server
-poll, so they need ``Authorization: Bearer <admin_token>`` when the server has a token (compared
-in constant time), and otherwise answer loopback clients only. One resync runs at a time (another
-gets 409), and a resync never moves the server to an older step unless the request says
-``?allow_older=1``.
+poll, so they need ``Authorization: Bearer <admin_token>`` (compared in constant time). A server
+without a token refuses them to everyone, unless its operator set ``admin_open_loopback``: then
+loopback clients may use them (every process on the host, and every client of a reverse proxy on
+it). One resync runs at a time (another gets 409), and a resync never moves the server to an
+older step unless the request says ``?allow_older=1``. Notifies are coalesced by the subscriber
+(at most one poll per ``notify_interval``).
 
 The server's subscriber lives on the app's state under one attribute, read and written only
 through :func:`subscriber_of` and :func:`set_subscriber`.
@@ -72,7 +74,7 @@ def _router(not_configured: str) -> APIRouter:
         sub = subscriber_of(request.app)
         if sub is None:
             return None, unavailable()
-        return sub, _refusal(request, sub.settings.admin_token)
+        return sub, _refusal(request, sub.settings.admin_token, sub.settings.admin_open_loopback)
 
     @router.post("/resync")
     async def resync(request: Request, allow_older: bool = False) -> JSONResponse:
@@ -97,7 +99,19 @@ def _router(not_configured: str) -> APIRouter:
     return router
 
 
-def _refusal(request: Request, token: str | None) -> JSONResponse | None:
+def admin_access_line(token: str | None, open_loopback: bool) -> str:
+    """The one line a server logs at start about who may use its POST routes."""
+    if token:
+        return "delta-swap: POST /delta_swap/resync and /notify need the admin token" + (
+            " (admin_open_loopback is ignored: the token is required from every caller)" if open_loopback else "")
+    if open_loopback:
+        return ("delta-swap: POST /delta_swap/resync and /notify are open to every loopback caller, including the "
+                "clients of any reverse proxy on this host (admin_open_loopback); set DELTA_SWAP_ADMIN_TOKEN instead")
+    return ("delta-swap: POST /delta_swap/resync and /notify are refused to every caller: no admin token "
+            "(set DELTA_SWAP_ADMIN_TOKEN, or DELTA_SWAP_ADMIN_OPEN_LOOPBACK=1 to let loopback callers in)")
+
+
+def _refusal(request: Request, token: str | None, open_loopback: bool = False) -> JSONResponse | None:
     """None if the caller may use a POST route, else the response that refuses it."""
     if token:
         given = request.headers.get("authorization", "")
@@ -108,10 +122,13 @@ def _refusal(request: Request, token: str | None) -> JSONResponse | None:
                     request.url.path, request.client and request.client.host)
         return JSONResponse({"error": "this route needs Authorization: Bearer <admin token>"}, status_code=401,
                             headers={"WWW-Authenticate": "Bearer"})
-    if _is_loopback(request.client.host if request.client else None):
+    if open_loopback and _is_loopback(request.client.host if request.client else None):
         return None
-    return JSONResponse({"error": "without an admin token (DELTA_SWAP_ADMIN_TOKEN) this route answers loopback "
-                                  "clients only"}, status_code=403)
+    if open_loopback:
+        return JSONResponse({"error": "without an admin token (DELTA_SWAP_ADMIN_TOKEN) this route answers loopback "
+                                      "clients only"}, status_code=403)
+    return JSONResponse({"error": "this server has no admin token (DELTA_SWAP_ADMIN_TOKEN): its POST routes are "
+                                  "closed"}, status_code=403)
 
 
 def _is_loopback(host: str | None) -> bool:

@@ -15,9 +15,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .admin_routes import mount_admin_routes, served_version, set_subscriber, subscriber_of
+from .admin_routes import admin_access_line, mount_admin_routes, served_version, set_subscriber, subscriber_of
 from .engine_adapter import EngineAdapter
 from .settings import Settings
+from .stores.base import public_url
 from .version_tags import WeightVersionMiddleware
 
 log = logging.getLogger("delta_swap.service")
@@ -50,8 +51,10 @@ def start(app_state: Any, settings: Settings, adapter: EngineAdapter | None) -> 
     subscriber = Subscriber(settings, adapter)
     set_subscriber(app_state, subscriber)
     subscriber.start()
-    log.info("delta-swap: %s follows %s (drain=%s, %d tensors served)", adapter.name, settings.store,
+    log.info("delta-swap: %s follows %s (drain=%s, %d tensors served)", adapter.name, public_url(settings.store),
              settings.drain.value, len(adapter.served.specs))
+    (log.info if settings.admin_token and not settings.admin_open_loopback else log.warning)(
+        admin_access_line(settings.admin_token, settings.admin_open_loopback))
     return subscriber
 
 

@@ -86,8 +86,17 @@ class Settings:
 
     admin_token: str | None = None
     """Bearer token that POST /delta_swap/resync and /delta_swap/notify require (prefer the
-    variable: a flag shows in the process list); without one those routes answer loopback clients
-    only."""
+    variable: a flag shows in the process list); without one those routes refuse every caller
+    unless admin_open_loopback is on."""
+
+    admin_open_loopback: bool = False
+    """Without an admin token, let loopback callers use the POST routes. Every process on the
+    host is then an admin, and so is every client of a reverse proxy on the host (it connects
+    from loopback): prefer a token."""
+
+    notify_interval: float = 1.0
+    """At most one store poll per this many seconds on notify calls: notifies that arrive
+    meanwhile are folded into the pending poll (the regular polls keep poll_interval)."""
 
     max_model_bytes: int | None = None
     """Refuse snapshots whose tensors add up to more bytes than this (default: the served model's size)."""
@@ -111,6 +120,24 @@ class Settings:
 
     #: Extra flag spellings accepted for a field (kept for command lines written before the rename).
     FLAG_ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {"store": ("--delta-swap-source",)}
+    #: Fields whose values are secrets: never shown by ``repr`` (nor by anything that logs it).
+    SECRET_FIELDS: ClassVar[frozenset[str]] = frozenset({"admin_token"})
+
+    def __repr__(self) -> str:
+        """Every setting, with secrets as ``<redacted>`` and the store URL without credentials or
+        query string."""
+        from .stores.base import public_url
+
+        shown = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in self.SECRET_FIELDS and value is not None:
+                shown.append(f"{f.name}='<redacted>'")
+            elif f.name == "store" and value is not None:
+                shown.append(f"store={public_url(value)!r}")
+            else:
+                shown.append(f"{f.name}={value!r}")
+        return f"{type(self).__name__}({', '.join(shown)})"
 
     @staticmethod
     def env_name(name: str) -> str:

@@ -120,12 +120,15 @@ class Subscriber:
         # swallows a cancellation that arrives just as the wake event fires (CPython gh-86296),
         # and stop() would then wait for a whole poll interval.
         while not self._stopping:
+            polled = time.monotonic()
             await self.sync()
             codec.start_warm_up(encoder=False)  # once per process
             try:
                 await asyncio.wait_for(self._wake.wait(), self.settings.poll_interval)
             except asyncio.TimeoutError:
                 pass
+            else:  # a notify: at most one poll per notify_interval; notifies meanwhile fold into it
+                await asyncio.sleep(max(0.0, polled + self.settings.notify_interval - time.monotonic()))
             self._wake.clear()
 
     # ------------------------------------------------------------------ updates
@@ -177,7 +180,14 @@ class Subscriber:
         self._last_error_kind = kind
         self._last_error_at = time.time()
         log.warning("delta-swap: staying on %s: %s: %s", self._current and self._current.snapshot_id,
-                    type(exc).__name__, exc)
+                    type(exc).__name__, self._without_secrets(str(exc)))
+
+    def _without_secrets(self, text: str) -> str:
+        """``text`` (for the server's log) without the store URL's credentials or the admin token."""
+        store, token = self.settings.store, self.settings.admin_token
+        if store:
+            text = text.replace(store, public_url(store))
+        return text.replace(token, "<redacted>") if token else text
 
     def _public_message(self, exc: BaseException) -> str:
         """The error's message as anyone reaching the status route may see it: the store's URL

@@ -1,5 +1,6 @@
-"""The admin routes on an open network: bearer token, loopback-only without one, one resync at a
-time, never backwards unless asked, and a status route that reveals nothing secret.
+"""The admin routes on an open network: bearer token, closed without one (loopback only when the
+operator opens it), one resync at a time, never backwards unless asked, notifies coalesced, and a
+status route that reveals nothing secret.
 
 The routes run in a real FastAPI app (the one both engines serve with) driven through httpx's
 ASGI transport, which also lets a test present a non-loopback client address; the engine is
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import time
 
 import httpx
 import pytest
@@ -42,13 +45,25 @@ def _client(app: FastAPI, client=LOOPBACK) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app, client=client), base_url="http://server")
 
 
-async def test_without_a_token_only_loopback_clients_may_post(tmp_path) -> None:
+async def test_without_a_token_the_post_routes_are_closed_unless_loopback_is_opened(tmp_path, caplog) -> None:
+    """A reverse proxy on the host connects from loopback: loopback alone is no credential."""
     _publish(tmp_path, rl_steps(1))
-    app, _ = await _app(tmp_path)
+    with caplog.at_level(logging.INFO, logger="delta_swap"):
+        app, _ = await _app(tmp_path)
+    assert [r.levelname for r in caplog.records if "refused to every caller" in r.getMessage()] == ["WARNING"]
+    async with _client(app, REMOTE) as remote, _client(app) as local:
+        for client in (remote, local):
+            assert (await client.post("/delta_swap/notify")).status_code == 403
+            assert (await client.post("/delta_swap/resync")).status_code == 403
+        assert (await remote.get("/delta_swap/status")).status_code == 200  # status stays open
+    await service.stop(app)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="delta_swap"):
+        app, _ = await _app(tmp_path, admin_open_loopback=True)
+    assert [r.levelname for r in caplog.records if "reverse proxy" in r.getMessage()] == ["WARNING"]
     async with _client(app, REMOTE) as remote, _client(app) as local:
         assert (await remote.post("/delta_swap/notify")).status_code == 403
         assert (await remote.post("/delta_swap/resync")).status_code == 403
-        assert (await remote.get("/delta_swap/status")).status_code == 200  # status stays open
         assert (await local.post("/delta_swap/notify")).status_code == 202
     await service.stop(app)
 
@@ -69,7 +84,7 @@ async def test_with_a_token_every_post_needs_it(tmp_path) -> None:
 
 async def test_one_resync_at_a_time(tmp_path) -> None:
     _publish(tmp_path, rl_steps(1))
-    app, sub = await _app(tmp_path)
+    app, sub = await _app(tmp_path, admin_open_loopback=True)
     gate = asyncio.Event()
     swap = sub.adapter.swap
 
@@ -95,7 +110,7 @@ async def test_one_resync_at_a_time(tmp_path) -> None:
 
 async def test_a_resync_never_moves_back_unless_asked(tmp_path) -> None:
     _publish(tmp_path, rl_steps(4))
-    app, sub = await _app(tmp_path)
+    app, sub = await _app(tmp_path, admin_open_loopback=True)
     assert sub.current.step == 3
     # HEAD is moved back to step 1 (by an operator, or by anyone who can write to the store).
     manifest = json.loads((tmp_path / store_keys.manifest_key("step-0000000001")).read_text())
@@ -150,6 +165,42 @@ async def test_publisher_notifications_carry_the_token(tmp_path, monkeypatch) ->
     await notify(("http://server/delta_swap/notify",), sub.current, token="s3cret-token")
     await notify(("http://server/delta_swap/notify",), sub.current, token=None)
     assert sent == [202, 401]
+    await service.stop(app)
+
+
+async def test_notifies_are_coalesced_into_one_poll_per_interval(tmp_path, monkeypatch) -> None:
+    """A caller with the token who notifies in a tight loop makes the server poll the store at
+    most once per notify_interval, and the newest snapshot still lands at the next poll."""
+    from delta_swap.stores import FileStore
+
+    polls: list[float] = []
+    real = FileStore.get_if_changed
+
+    async def counted(self, key, etag, **kwargs):
+        if key == store_keys.HEAD_KEY:
+            polls.append(time.monotonic())
+        return await real(self, key, etag, **kwargs)
+
+    monkeypatch.setattr(FileStore, "get_if_changed", counted)
+    steps = rl_steps(2)
+    _publish(tmp_path, steps[:1])
+    app, sub = await _app(tmp_path, admin_token="s3cret-token", notify_interval=0.5)
+    auth = {"Authorization": "Bearer s3cret-token"}
+    async with _client(app) as local:
+        await asyncio.sleep(0.2)
+        _publish(tmp_path, steps[1:], start=1)
+        polls.clear()
+        start = time.monotonic()
+        accepted = 0
+        while time.monotonic() - start < 1.5:
+            accepted += (await local.post("/delta_swap/notify", headers=auth)).status_code == 202
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.6)
+        elapsed = time.monotonic() - start
+    assert accepted > 100
+    assert 2 <= len(polls) <= elapsed / 0.5 + 1, (len(polls), elapsed)
+    assert all(b - a >= 0.45 for a, b in zip(polls, polls[1:])), polls
+    assert sub.current.step == 1
     await service.stop(app)
 
 

@@ -22,6 +22,17 @@ def test_flags_then_environment_then_defaults() -> None:
     assert Settings.load(None, {}) == Settings()
 
 
+def test_repr_shows_no_secret() -> None:
+    env = {"DELTA_SWAP_STORE": "https://reader:pw-Zq81xK@cdn.example.com/run", "DELTA_SWAP_ADMIN_TOKEN": "tok-Hj27Lm",
+           "DELTA_SWAP_ADMIN_OPEN_LOOPBACK": "1"}
+    settings = Settings.load(None, env)
+    assert settings.admin_open_loopback is True and settings.admin_token == "tok-Hj27Lm"
+    for text in (repr(settings), str(settings), f"{settings}", repr([settings])):
+        assert "pw-Zq81xK" not in text and "tok-Hj27Lm" not in text and "reader" not in text, text
+        assert "https://cdn.example.com/run" in text and "admin_token='<redacted>'" in text
+    assert "admin_token=None" in repr(Settings()) and Settings().admin_open_loopback is False
+
+
 def test_bad_settings_name_the_variable_or_flag() -> None:
     with pytest.raises(ConfigError, match="DELTA_SWAP_DRAIN='sometimes'"):
         Settings.load(None, {"DELTA_SWAP_DRAIN": "sometimes"})

@@ -215,9 +215,10 @@ def test_keep_and_abort_drain_modes(drain, models, references, sglang_python, sh
     and two servers on two cores slow each other down many times over.)"""
     store = tmp_path / "store"
     publish_dirs(store, [(0, models["A"])], None)  # unsigned: this server trusts no key and has no token
+    # No token: the notify below comes from loopback, which the server must be told to allow.
     server = sglang_server.start(models["A"], tmp_path, served_name="tiny", shim_log=shim_log,
                                  extra=["--delta-swap-source", store.as_uri(), "--delta-swap-drain", drain],
-                                 env={"DELTA_SWAP_POLL_INTERVAL": "0.2"})
+                                 env={"DELTA_SWAP_POLL_INTERVAL": "0.2", "DELTA_SWAP_ADMIN_OPEN_LOOPBACK": "1"})
     try:
         st = wait_for(server.url, lambda s: s["current_step"] == 0)
         assert st["drain"] == drain  # from the flag; the poll interval came from the environment

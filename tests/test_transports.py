@@ -507,3 +507,85 @@ async def test_gzip_compressing_servers_are_read_as_stored(gzip_http, tmp_path, 
         with pytest.raises(ObjectTooLargeError):
             await store.get_if_changed("HEAD", None, max_bytes=4096)
     await sub.stop()
+
+
+# ---------------------------------------------------------------------- secrets
+
+
+def test_no_secret_reaches_a_log_line_an_error_or_a_repr(tmp_path, loop_thread, caplog, capsys) -> None:
+    """A server following an http store whose URL carries a password, with an admin token, and a
+    CLI pull from the same URL, all logged at DEBUG (delta-swap's, httpx's and every other logger):
+    neither secret appears in a log line, an error, the status or a repr. The password reaches the
+    server only as basic auth."""
+    import base64
+    import logging
+
+    import httpx
+    from aiohttp import web
+    from fastapi import FastAPI
+
+    from delta_swap import cli, service
+
+    password, token = "pw-Zq81xK", "tok-Hj27Lm"
+    root = tmp_path / "bucket"
+    root.mkdir()
+    expected = "Basic " + base64.b64encode(f"reader:{password}".encode()).decode()
+    seen_auth: list[bool] = []
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        seen_auth.append(request.headers.get("Authorization") == expected)
+        if not seen_auth[-1]:
+            raise web.HTTPUnauthorized()
+        path = root / request.match_info["tail"]
+        if not path.is_file():
+            raise web.HTTPNotFound()
+        return web.FileResponse(path)
+
+    app_http = web.Application()
+    app_http.router.add_route("*", "/{tail:.*}", handle)
+    base = loop_thread.serve(app_http)
+    url = base.replace("http://", f"http://reader:{password}@") + "/"
+    steps = rl_steps(4)
+    _publish(str(root), steps[:2])
+    caplog.set_level(logging.DEBUG)
+    settings = Settings(store=url, admin_token=token, poll_interval=3600, notify_interval=0.1)
+    texts = [repr(settings), str(settings)]
+
+    async def serve() -> None:
+        app = FastAPI()
+        service.mount(app, "set DELTA_SWAP_STORE")
+        sub = service.start(app.state, settings, RecordingAdapter())
+        await sub.sync()
+        _publish(str(root), steps[2:3], start=2)
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app, client=("127.0.0.1", 9)), base_url="http://s")
+        async with client:
+            assert (await client.post("/delta_swap/notify", headers={"Authorization": "Bearer wrong"})).status_code == 401
+            assert (await client.post("/delta_swap/notify", headers={"Authorization": f"Bearer {token}"})).status_code == 202
+            for _ in range(200):
+                if sub.current is not None and sub.current.step == 2:
+                    break
+                await asyncio.sleep(0.05)
+            assert sub.current.step == 2
+            _publish(str(root), steps[3:], start=3)
+            shard = next((root / "snapshots" / "step-0000000003").glob("shard-*"))
+            shard.unlink()  # an error on the way: logged, and in the status
+            assert not await sub.sync()
+            status = (await client.get("/delta_swap/status")).text
+            assert "NotFoundError" in status
+            texts.extend([status, repr(sub.reader.store), str(sub.reader.store.url)])
+        await service.stop(app)
+
+    asyncio.run(serve())
+    assert cli.main(["pull", "--store", url, "--out", str(tmp_path / "out"), "--quiet",
+                     "--snapshot", "step-0000000002"]) == 0
+    assert cli.main(["pull", "--store", url, "--out", str(tmp_path / "out"), "--quiet"]) == 1  # the missing shard
+    try:
+        open_store(url.replace("http", "gopher", 1))
+    except StoreError as exc:
+        texts.append(str(exc))
+    captured = capsys.readouterr()
+    texts.extend([caplog.text, captured.out, captured.err])
+    assert "HTTP Request: GET" in caplog.text and "follows" in caplog.text  # httpx and delta-swap did log
+    assert seen_auth and all(seen_auth)  # every request carried the password as basic auth
+    for text in texts:
+        assert password not in text and token not in text, text[:2000]

@@ -97,8 +97,9 @@ def test_keep_drain_tags_each_token_range_with_the_version_that_produced_it(tmp_
     b = perturb_weights(a, tmp_path / "B", seed=1)
     store = tmp_path / "store"
     publish_dirs(store, [(0, a)], None)
-    # The server only polls at start and when notified; the update is published beforehand.
-    settings = {"store": store.as_uri(), "poll_interval": 3600, "drain": "keep"}
+    # The server only polls at start and when notified; the update is published beforehand. No
+    # admin token: this test notifies from loopback, which the server must be told to allow.
+    settings = {"store": store.as_uri(), "poll_interval": 3600, "drain": "keep", "admin_open_loopback": True}
     server = vllm_server.start(a, tmp_path, settings=settings, served_name="tiny", log_name="keep.log")
     try:
         wait_for(server.url, lambda s: s["current_step"] == 0 and s["codec_ready"], timeout=300)
