@@ -174,14 +174,14 @@ def numba_vs_c(cks: list[dict[str, torch.Tensor]], repeats: int = 5) -> dict[str
                                                 shape=tuple(cks[t][k].shape))  # the C walk has no sign model
             if payload[4] != v2.METHOD_ULP:
                 continue
-            scratch = v2._Scratch()
+            scratch = v2.decoder._Scratch()
             sc = np.zeros(12, np.int64)
             p = np.frombuffer(payload, np.uint8)
-            pos = 7 + len(v2._varint(a.size // 2))
-            err = v2._parse_ulp(p, pos, a.size // 2, 8, 0xFFFF, 0, scratch.i64, scratch.u8, sc)
+            pos = 7 + len(v2.wire.varint(a.size // 2))
+            err = v2.parse.parse_ulp(p, pos, a.size // 2, 8, 0xFFFF, 0, scratch.i64, scratch.u8, sc)
             if err == 2:
                 scratch.grow(int(sc[0]), int(sc[1]))
-                err = v2._parse_ulp(p, pos, a.size // 2, 8, 0xFFFF, 0, scratch.i64, scratch.u8, sc)
+                err = v2.parse.parse_ulp(p, pos, a.size // 2, 8, 0xFFFF, 0, scratch.i64, scratch.u8, sc)
             if err != 1:
                 continue
             D, row_len, S, K, n_ev, n_changed, n_rows, o_ = (int(x) for x in sc[:8])
@@ -200,7 +200,7 @@ def numba_vs_c(cks: list[dict[str, torch.Tensor]], repeats: int = 5) -> dict[str
                     start = time.perf_counter()
                     if which == "numba":
                         u = np.uint64
-                        rc = v2._WALKS["BF16"](out, lut.view(u), D, row_dead, row_len, cnt.view(u), evp.view(u), ev,
+                        rc = v2.decode_kernels.WALKS["BF16"](out, lut.view(u), D, row_dead, row_len, cnt.view(u), evp.view(u), ev,
                                                      vp.view(u), vend.view(u), vals, no_table, no_codes, no_codes, 0, 1)
                     else:
                         rc = lib.walk_bf16(ptr(out), ctypes.c_int64(out.size), ptr(lut), ctypes.c_int64(D), ptr(row_dead),

@@ -49,7 +49,7 @@ _jit = nb.njit(cache=True, nogil=True)
 
 def v2_classes(payload: bytes) -> list[tuple[int, int]]:
     """The [lo, hi] exponent ranges of a v2 ULP payload's classes (docs/FORMAT.md)."""
-    rd = v2._Reader(memoryview(payload))
+    rd = v2.wire.Reader(memoryview(payload))
 
     def skip(fields: int) -> None:
         for _ in range(fields):
@@ -193,7 +193,7 @@ def _bitmap(flags: np.ndarray) -> np.ndarray:
 
 def _table_bytes(freqs: np.ndarray) -> int:
     """A table per used context: a bitmap of its symbols, then their frequencies as varints."""
-    return sum(SYMBOLS // 8 + sum(v2._varint_len(int(f)) for f in row if f) for row in freqs if row.any())
+    return sum(SYMBOLS // 8 + sum(v2.encode_kernels._varint_len(int(f)) for f in row if f) for row in freqs if row.any())
 
 
 def _plan(ctx_class: np.ndarray, state: np.ndarray, sym: np.ndarray, n_classes: int, n_states: int):

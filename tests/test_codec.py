@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from delta_swap import codec
 from delta_swap.checksum import checksum
 from delta_swap.codec import v1, v2
+from delta_swap.codec.v2 import samples, wire
 from delta_swap.dtypes import DTYPE_SIZES
 from delta_swap.errors import CorruptDataError
 from tests.support import codec_fixtures, pageout
@@ -258,7 +259,7 @@ def _model_payload(rng) -> tuple[np.ndarray, bytearray, int]:
     payload = bytearray(codec.encode_tensor_delta(old, new, "BF16", codec.CodecConfig(dense_fraction=2.0), shape=shape))
     assert payload[6] == 1
     # locate the section as a decoder does: skip the header, the body's fields and the bitstream
-    rd = v2._Reader(memoryview(bytes(payload)))
+    rd = wire.Reader(memoryview(bytes(payload)))
     rd.p = 7
     rd.varint(1 << 62, "n")
     rd.varint(1 << 62, "n_changed")
@@ -335,8 +336,12 @@ def test_damaged_flip_streams_are_caught(rng) -> None:
 
 def test_v2_kernels_release_the_gil() -> None:
     """apply_snapshot decodes tensors on threads: that only scales if the kernels drop the GIL."""
-    kernels = [obj for obj in vars(v2).values() if hasattr(obj, "targetoptions")]
-    kernels += list(v2._WALKS.values())
+    import importlib
+    import pkgutil
+
+    modules = [importlib.import_module(f"{v2.__name__}.{m.name}") for m in pkgutil.iter_modules(v2.__path__)]
+    kernels = [obj for module in modules for obj in vars(module).values() if hasattr(obj, "targetoptions")]
+    kernels += list(v2.decode_kernels.WALKS.values())
     assert len(kernels) >= 10
     for kernel in kernels:
         assert kernel.targetoptions.get("nogil") is True, kernel
@@ -358,10 +363,10 @@ def test_decoder_only_warm_up_decodes_its_stored_payloads() -> None:
     must keep decoding to the tensors warm_up regenerates (else it raises)."""
     codec.warm_up(encoder=False)
     for dtype in v2.FLOATS:
-        old, new = v2._warm_up_tensors(dtype)
+        old, new = samples.tensors(dtype)
         assert (old != new).any()
-    signs = v2._stored_payload("BF16 signs")  # the predicted-sign kernels are warmed up too
-    old, new = v2._warm_up_sign_tensors()
+    signs = samples.stored_payload("BF16 signs")  # the predicted-sign kernels are warmed up too
+    old, new = samples.sign_tensors()
     assert signs[6] == v2.FLAG_SIGN_MODEL and np.array_equal(codec.decode(old, signs, "BF16", old.size), new)
     first = codec.start_warm_up(encoder=False)
     assert codec.start_warm_up(encoder=False) is first  # once per process
@@ -373,6 +378,7 @@ _LLVM_RESIDENT = """
 import numpy as np
 from delta_swap import codec
 from delta_swap.codec import v2
+from delta_swap.codec.v2 import samples
 
 def resident_kb():
     kb, in_llvm = 0, False
@@ -389,9 +395,9 @@ loaded = resident_kb()
 codec.start_warm_up(encoder=False).join()
 after = resident_kb()
 for dtype in v2.FLOATS:  # decoding still works, and bit-exact
-    old, new = v2._warm_up_tensors(dtype)
+    old, new = samples.tensors(dtype)
     out = old.copy()
-    codec.decode_into(out, v2._stored_payload(dtype), dtype)
+    codec.decode_into(out, samples.stored_payload(dtype), dtype)
     assert np.array_equal(out, new), dtype
 print(loaded, after, resident_kb())
 """
@@ -423,13 +429,13 @@ def test_numba_cache_falls_back_to_a_temp_folder_when_nothing_else_is_writable(m
     monkeypatch.setattr(numba.core.config, "CACHE_DIR", numba.core.config.CACHE_DIR)  # restored afterwards
     monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "home-cache"))
-    monkeypatch.setattr(v2.os, "access", lambda path, mode: False)  # a read-only install and home
-    monkeypatch.setattr(v2.tempfile, "gettempdir", lambda: str(tmp_path))
-    v2._ensure_numba_cache_dir()
+    monkeypatch.setattr(v2.jit.os, "access", lambda path, mode: False)  # a read-only install and home
+    monkeypatch.setattr(v2.jit.tempfile, "gettempdir", lambda: str(tmp_path))
+    v2.jit.ensure_cache_dir()
     assert numba.core.config.CACHE_DIR.startswith(str(tmp_path / "delta-swap-numba-"))
-    monkeypatch.setattr(v2.os, "access", lambda path, mode: True)  # a writable package folder
+    monkeypatch.setattr(v2.jit.os, "access", lambda path, mode: True)  # a writable package folder
     numba.core.config.CACHE_DIR = ""
-    v2._ensure_numba_cache_dir()
+    v2.jit.ensure_cache_dir()
     assert numba.core.config.CACHE_DIR == ""
 
 
@@ -569,16 +575,16 @@ def test_v1_positions_past_the_end_are_rejected() -> None:
 
 
 def _v(x: int) -> bytes:
-    return v2._varint(x)
+    return wire.varint(x)
 
 
 def _golomb1(*values: int) -> tuple[bytes, int]:
     """Golomb codes with m = 1 (docs/FORMAT.md), LSB first: (bytes, number of bits)."""
     bits: list[int] = []
     for x in values:
-        if x >= v2.QMAX:
+        if x >= wire.QMAX:
             length = x.bit_length()
-            bits += [0] * v2.QMAX + [1] + [(length >> i) & 1 for i in range(6)] + [(x >> i) & 1 for i in range(length)]
+            bits += [0] * wire.QMAX + [1] + [(length >> i) & 1 for i in range(6)] + [(x >> i) & 1 for i in range(length)]
         else:
             bits += [0] * x + [1]
     data = bytes(sum(b << i for i, b in enumerate(bits[k : k + 8])) for k in range(0, len(bits), 8))

@@ -47,7 +47,7 @@ CASES = {  # shape, fraction changed, rows that never change, largest step, rank
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_select_apply_rebuilds_what_the_walk_rebuilds(case: str, rng, monkeypatch) -> None:
     shape, frac, dead, step, *rank = CASES[case]
-    monkeypatch.setattr(v2, "_POOL", [])  # fresh scratch: the large case grows its buffer
+    monkeypatch.setattr(v2.decoder, "_POOL", [])  # fresh scratch: the large case grows its buffer
     old, new = _weights(rng, "BF16", shape, frac, dead_rows=dead, max_step=step, sign_rank=rank[0] if rank else 0,
                         agree=0.9)
     payload = codec.encode_tensor_delta(old, new, "BF16", codec.CodecConfig(), shape=shape)

@@ -226,7 +226,7 @@ def test_v2_decoder_on_random_bodies(v2_payloads, body, method, n, nbytes, flags
     """A valid v2 header (with or without predicted signs) followed by garbage, with any element
     count and expected size (the fixture has compiled the kernels, so the deadline only measures
     decoding)."""
-    payload = b"DSC2" + bytes([method, 2, flags]) + v2._varint(n) + body
+    payload = b"DSC2" + bytes([method, 2, flags]) + v2.wire.varint(n) + body
     old = np.zeros(2 * n, np.uint8) if n == nbytes // 2 and n < 5000 else None
     try:
         codec.decode(old, payload, "BF16", 2 * n if old is not None else nbytes)

@@ -1,7 +1,7 @@
 """A faster apply of codec v2 ULP payloads to BF16 tensors: rank-space select instead of a walk.
 
 Codec v2 codes each exponent class's changes as gaps counted in that class's own rank space, and
-its values in that class's order (docs/FORMAT.md). The walk in :mod:`delta_swap.codec.v2` finds
+its values in that class's order (docs/FORMAT.md). The walk in :mod:`.decode_kernels` finds
 them by visiting every element, looking its class up and counting down the class's gap: an
 unpredictable branch per element. This module applies the same payloads after the same parse and
 validation, to the same results (a payload the walk rejects is rejected here too, possibly with
@@ -31,6 +31,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from .jit import inline
 from .sign_model import predicted_negative
 
 __all__ = ["AVAILABLE", "CHUNK", "SelectScratch", "apply_bf16"]
@@ -59,7 +60,6 @@ def _host_has_fast_pdep() -> bool:
 AVAILABLE = _host_has_fast_pdep()
 
 _jit = nb.njit(cache=True, nogil=True, boundscheck=False)
-_inline = nb.njit(inline="always", nogil=True)
 
 U0, U1, U6, U63, U64 = (np.uint64(x) for x in (0, 1, 6, 63, 64))
 SIGN, LOW, SH, FULL = 1 << 15, (1 << 15) - 1, 15, (1 << 16) - 1
@@ -136,7 +136,7 @@ def _tzcnt(typingctx, x):
 # ------------------------------------------------------------------------------ kernels
 
 
-@_inline
+@inline
 def _apply_one(out, pos, d):
     """out[pos] moved by d steps in float order (the walk's arithmetic); negative if out of range."""
     xi = np.int64(out[pos])
@@ -234,7 +234,7 @@ def _apply_changes_predicted(out, s, ebuf, cbuf, nw, cls_of, q, vals, last, tabl
 @_jit
 def _apply(out, ebuf, cbuf, valid, er, row_dead, row_len, n_rows, lut, S, D, K, evp, vp, vend, evend, ev, vals,
            table, rc, cc, predict, pred_len):
-    """Apply a parsed payload (codec v2's ``_parse_ulp`` layout, internal class ids) to the BF16
+    """Apply a parsed payload (the layout of :func:`.parse.parse_ulp`, internal class ids) to the BF16
     bits in ``out``; with a sign model (``predict``: rows of ``pred_len``, their codes rc, the
     columns' cc and the prediction table) its predicted signs. Returns 0, -12 (events or values not all used, or ranks past the tensor),
     -11 (a value leaves the dtype's range), or -(words of er needed) when er is too small."""

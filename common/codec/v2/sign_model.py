@@ -21,11 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numba as nb
 import numpy as np
 
-#: Payload flag (codec v2 header byte 6) of a ULP payload whose signs are predicted.
-FLAG_SIGN_MODEL = 1
+from .jit import inline, kernel
+
 MAX_RANK = 3       # a row's or a column's codes fit in 6 bits: the prediction is one table bit
 ROW_ALIGN = 64       # rows must be a whole number of 64-element words (the select apply's unit)
 MIN_CHANGES = 4096   # fewer changes do not pay for the factors
@@ -114,7 +113,7 @@ def _split(joined: np.ndarray, rank: int, bits: int) -> np.ndarray:
     return ((joined[:, None] >> (bits * np.arange(rank))) & ((1 << bits) - 1)).astype(np.uint8)
 
 
-@nb.njit(nogil=True, cache=True)
+@kernel
 def _sign_balance(major, minor, minor_codes, negative, n_major, n_codes):
     """(n_major, n_codes): per row (or column) and codes of the column (or row), its negative
     changes minus its positive ones."""
@@ -124,7 +123,7 @@ def _sign_balance(major, minor, minor_codes, negative, n_major, n_codes):
     return out
 
 
-@nb.njit(nogil=True, cache=True)
+@kernel
 def _predict(rows, cols, rc, cc, words):
     """Per change, whether the model (joined codes rc, cc; prediction table words) predicts a
     negative step."""
@@ -193,7 +192,7 @@ def fit(signs: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> tuple[SignMode
     return best, best_pred
 
 
-@nb.njit(nogil=True, cache=True)
+@kernel
 def prediction_table(levels, rank, bits, out):
     """out[x] (64 uint64): bit y set when row codes x and column codes y (``rank`` fields of
     ``bits`` bits, factor t at bit t * bits) predict a negative step. ``levels``: the section's
@@ -223,7 +222,7 @@ def prediction_table(levels, rank, bits, out):
         out[x] = word
 
 
-@nb.njit(inline="always", nogil=True)
+@inline
 def predicted_negative(row_table, col_code):
     """0 or 1: the prediction at a column with codes ``col_code``, in a row whose table word is
     ``row_table`` (``table[row codes]``)."""

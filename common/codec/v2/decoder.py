@@ -1,0 +1,179 @@
+"""Decoding codec v2 payloads: the header, full and XOR planes, and ULP bodies applied in place
+with pooled scratch buffers."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+
+from ...dtypes import DTYPE_SIZES
+from ...errors import CorruptDataError
+from ..inputs import raw_bytes
+from . import select_apply
+from .decode_kernels import WALKS, check_consumed
+from .jit import readonly
+from .parse import ERRORS, parse_ulp
+from .wire import (
+    FLAG_SIGN_MODEL,
+    FLOATS,
+    MAGIC,
+    METHOD_FULL,
+    METHOD_ULP,
+    METHOD_XOR,
+    UINT,
+    Reader,
+    plane_bytes,
+    read_planes,
+)
+
+
+class _Scratch:
+    """Reusable decode buffers. Fresh pages cost ~0.5 ms/MB in page faults, and apply_snapshot
+    runs each snapshot on a new thread pool, so buffers are pooled process-wide (one per decoding
+    thread at a time, at most ``_POOL_MAX`` kept), not per thread."""
+
+    __slots__ = ("i64", "u8", "select")
+
+    def __init__(self) -> None:
+        self.i64 = np.empty(1 << 12, np.int64)
+        self.u8 = np.empty(1 << 12, np.uint8)
+        self.select = select_apply.SelectScratch()
+
+    def grow(self, n64: int, n8: int) -> None:
+        if self.i64.size < n64:
+            self.i64 = np.empty(n64, np.int64)
+        if self.u8.size < n8:
+            self.u8 = np.empty(n8, np.uint8)
+
+
+_POOL: list[_Scratch] = []
+_POOL_LOCK = threading.Lock()
+_POOL_MAX = max(2, os.cpu_count() or 1)
+
+
+def _acquire() -> _Scratch:
+    with _POOL_LOCK:
+        return _POOL.pop() if _POOL else _Scratch()
+
+
+def _release(scratch: _Scratch) -> None:
+    with _POOL_LOCK:
+        if len(_POOL) < _POOL_MAX:
+            _POOL.append(scratch)
+
+
+def _apply_ulp(p: np.ndarray, pos: int, elems: np.ndarray, dtype: str, flags: int = 0) -> None:
+    """Parse the ULP body p[pos:] and apply it in place to elems (the old elements)."""
+    exp_bits = FLOATS[dtype][2]
+    full = (1 << (8 * elems.itemsize)) - 1
+    scratch = _acquire()
+    try:
+        err = _apply_ulp_with(scratch, p, pos, elems, dtype, exp_bits, full, flags)
+    finally:
+        _release(scratch)
+    if err not in (0, 1):
+        raise CorruptDataError(f"corrupt v2 delta payload: {ERRORS.get(err, 'inconsistent')} (code {err})")
+
+
+def _apply_ulp_with(scratch: _Scratch, p: np.ndarray, pos: int, elems: np.ndarray, dtype: str, exp_bits: int,
+                    full: int, flags: int = 0) -> int:
+    sc = np.zeros(12, np.int64)
+    err = parse_ulp(p, pos, elems.size, exp_bits, full, flags, scratch.i64, scratch.u8, sc)
+    if err == 2:  # sizes were validated against n and the payload length before this request
+        scratch.grow(int(sc[0]) + int(sc[0]) // 4, int(sc[1]) + int(sc[1]) // 4)
+        err = parse_ulp(p, pos, elems.size, exp_bits, full, flags, scratch.i64, scratch.u8, sc)
+    i64s, u8s = scratch.i64, scratch.u8
+    if err == 1:
+        D, row_len, S, K, n_ev, n_changed, n_rows, o_, predict, t_at, pred_len, c_at = (int(x) for x in sc)
+        table = i64s[t_at:t_at + 64].view(np.uint64)
+        n_pred_rows = elems.size // pred_len if predict else 0
+        rc = u8s[c_at:c_at + n_pred_rows]
+        cc = u8s[c_at + n_pred_rows:c_at + n_pred_rows + (pred_len if predict else 0)]
+        E = 1 << exp_bits
+        lut = i64s[o_:o_ + 2 * E]
+        o_ += 2 * E
+        cnt, evp, vp, vend, evend = (i64s[o_ + j * (K + 1):o_ + (j + 1) * (K + 1)] for j in range(5))
+        ev = i64s[:n_ev]
+        vals = i64s[n_ev:n_ev + n_changed]
+        row_dead = u8s[:n_rows] if n_rows else np.zeros(1, np.uint8)
+        if dtype == "BF16" and select_apply.AVAILABLE and elems.flags.c_contiguous:
+            return select_apply.apply_bf16(scratch.select, elems, row_dead, row_len, n_rows, lut, S, D,
+                                           K, evp, vp, vend, evend, ev, vals, table, rc, cc, predict, pred_len)
+        u64 = np.uint64
+        err = WALKS[dtype](elems, lut.view(u64), D, row_dead, row_len, cnt.view(u64), evp.view(u64), ev, vp.view(u64),
+                            vend.view(u64), vals, table, rc, cc, predict, pred_len)
+        if err == 0:
+            err = check_consumed(evp, evend, vp, vend, S)
+    return err
+
+
+def payload_is_delta(payload: bytes | memoryview) -> bool:
+    """Whether a v2 payload needs the previous tensor."""
+    view = memoryview(payload)
+    if len(view) < 8 or bytes(view[:4]) != MAGIC:
+        raise CorruptDataError("bad v2 payload magic")
+    if view[4] not in (METHOD_FULL, METHOD_ULP, METHOD_XOR):
+        raise CorruptDataError(f"unknown v2 payload method {view[4]}")
+    return view[4] != METHOD_FULL
+
+
+def full_payload_nbytes(payload: bytes | memoryview) -> int:
+    """The tensor size a v2 full payload rebuilds, from its header (planes validated, not decoded)."""
+    view = memoryview(payload).cast("B")
+    if not payload_is_delta(view) and view[5] in UINT:
+        rd = Reader(view)
+        rd.p = 7
+        n = rd.varint(1 << 62, "n_elements")
+        read_planes(rd, n, view[5])
+        return n * view[5]
+    raise CorruptDataError("not a v2 full payload")
+
+
+def decode_into(out: np.ndarray, payload: bytes | memoryview, dtype: str) -> None:
+    """Rebuild a tensor in place: ``out`` (raw bytes of ``dtype``) holds the previous tensor for a
+    delta payload (anything for a full one) and receives the new bytes.
+
+    The payload's header, counts, lengths and tables are validated before ``out`` is written;
+    errors found during the pass (values that do not add up) raise CorruptDataError after part of
+    ``out`` was rewritten, so its content is then undefined.
+    """
+    out = raw_bytes(out, "out")
+    view = memoryview(payload).cast("B")
+    if len(view) < 8 or bytes(view[:4]) != MAGIC:
+        raise CorruptDataError("bad v2 payload magic")
+    if dtype not in DTYPE_SIZES:
+        raise CorruptDataError(f"unknown dtype {dtype!r}")
+    width = DTYPE_SIZES[dtype]
+    rd = Reader(view)
+    rd.p = 4
+    method, pwidth, flags = rd.u8(), rd.u8(), rd.u8()
+    if pwidth != width:
+        raise CorruptDataError(f"payload element size {pwidth} does not match {dtype}")
+    if flags & ~FLAG_SIGN_MODEL or (flags and method != METHOD_ULP):
+        raise CorruptDataError(f"unknown payload flags {flags:#x}")
+    if out.size % width:
+        raise CorruptDataError("expected byte count is not a whole number of elements")
+    n = rd.varint(out.size // width, "n_elements")
+    if n * width != out.size:
+        raise CorruptDataError(f"payload rebuilds {n * width} bytes, expected {out.size}")
+    if method in (METHOD_FULL, METHOD_XOR):
+        if method == METHOD_XOR and dtype in FLOATS:
+            raise CorruptDataError(f"XOR payload for the float dtype {dtype}")
+        planes = read_planes(rd, n, width)
+        if rd.p != len(view):
+            raise CorruptDataError(f"{len(view) - rd.p} trailing bytes")
+        columns = out.reshape(-1, width)
+        for j, (coder, stored) in enumerate(planes):
+            data = plane_bytes(coder, stored, n)
+            if method == METHOD_FULL:
+                columns[:, j] = data
+            else:
+                columns[:, j] ^= data
+        return
+    if method != METHOD_ULP:
+        raise CorruptDataError(f"unknown v2 payload method {method}")
+    if dtype not in FLOATS:
+        raise CorruptDataError(f"ULP payload for the non-float dtype {dtype}")
+    _apply_ulp(readonly(np.frombuffer(view, np.uint8), np.uint8), rd.p, out.view(UINT[width]), dtype, flags)

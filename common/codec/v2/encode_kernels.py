@@ -1,0 +1,321 @@
+"""Codec v2's encoder kernels: statistics, the class plan, the walk that collects gaps and steps,
+and the writers of the bitstream and the rANS streams."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .bitio import bitlen, golomb_len, golomb_params, golomb_write, put, put_long
+from .jit import inline, kernel
+from .wire import MAX_T, RANS_L, SCALE, SCALE_BITS
+
+HIST_BINS = 258      # encoder statistics: |step|-1 histogram 0..256, bin 257 = overflow
+
+
+@inline
+def _key(x, sign, full):
+    """Ordered key of sign-magnitude bits: unsigned ints in float order."""
+    x = np.int64(x)
+    return full - x if x & sign else x | sign
+
+
+@kernel
+def enc_stats(u, v, mant_bits, exp_mask, row_len, n_rows, sign, full):
+    """Per exponent: elements (all rows), elements in changed rows, changes, |step|-1 histogram,
+    overflow bits; per row: whether it changed."""
+    E = exp_mask + 1
+    ne = np.zeros(E, np.int64)
+    ne_alive = np.zeros(E, np.int64)
+    ke = np.zeros(E, np.int64)
+    hist = np.zeros((E, HIST_BINS), np.int64)
+    ovf_bits = np.zeros(E, np.int64)
+    row_alive = np.zeros(n_rows, np.uint8)
+    n = u.size
+    tmp = np.zeros(E, np.int64)
+    for r in range(n_rows):
+        s = r * row_len
+        e_ = min(s + row_len, n)
+        tmp[:] = 0
+        any_ = False
+        for i in range(s, e_):
+            x = u[i]
+            y = v[i]
+            e = (np.int64(x) >> mant_bits) & exp_mask
+            tmp[e] += 1
+            if x != y:
+                any_ = True
+                ke[e] += 1
+                d = _key(y, sign, full) - _key(x, sign, full)
+                mg = (d if d > 0 else -d) - 1
+                if mg < HIST_BINS - 1:
+                    hist[e, mg] += 1
+                else:
+                    hist[e, HIST_BINS - 1] += 1
+                    ovf_bits[e] += bitlen(mg)
+        ne += tmp
+        if any_:
+            row_alive[r] = 1
+            ne_alive += tmp
+    return ne, ne_alive, ke, hist, ovf_bits, row_alive
+
+
+@inline
+def _h2bits(n, k):
+    if k == 0 or k == n:
+        return 0.0
+    p = k / n
+    return -n * (p * np.log2(p) + (1 - p) * np.log2(1 - p))
+
+
+@inline
+def _varint_len(x):
+    L = 1
+    while x >= 128:
+        x >>= 7
+        L += 1
+    return L
+
+
+@kernel
+def _mag_cost(h, ovf_bits):
+    """Estimated bits of the cheapest magnitude coding of a |step|-1 histogram."""
+    tot = 0
+    for i in range(HIST_BINS):
+        tot += h[i]
+    if tot == h[0]:
+        return 0.0
+    s = 0.0
+    for i in range(HIST_BINS - 1):
+        s += i * h[i]
+    mean = s / tot
+    best = 1e300
+    m0 = max(1, int(mean * 0.69 + 0.5))
+    for mm in (max(1, m0 // 2), max(1, m0 - 1), m0, m0 + 1, m0 * 2, 1):
+        b, cut = golomb_params(mm)
+        c = 8.0 * _varint_len(mm)
+        for i in range(HIST_BINS - 1):
+            if h[i]:
+                c += h[i] * golomb_len(i, mm, b, cut)
+        c += h[HIST_BINS - 1] * 60.0
+        best = min(best, c)
+    for T in (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
+        c = 8.0 * (_varint_len(T) + 1.5 * T)
+        esc = 0
+        for i in range(T - 1, HIST_BINS):
+            esc += h[i]
+        for i in range(T - 1):
+            if h[i]:
+                c -= h[i] * np.log2(h[i] / tot)
+        if esc:
+            c -= esc * np.log2(esc / tot)
+            for i in range(T - 1, HIST_BINS - 1):
+                if h[i]:
+                    c += h[i] * (6 + bitlen(i - (T - 1)))
+            c += h[HIST_BINS - 1] * 6 + ovf_bits
+        best = min(best, c)
+        if esc == 0:
+            break
+    return best
+
+
+@kernel
+def plan_classes(exps, ne, ke, hist, ovf_bits, class_bits):
+    """Dynamic program over the sorted active exponents: split them into contiguous classes
+    minimising estimated bits, plus ``class_bits`` per class with changes (what a class costs the
+    decoder, in bits' worth). Returns (total bits, start index of the segment ending at j)."""
+    E = exps.size
+    best = np.full(E + 1, 1e300)
+    best[0] = 0.0
+    arg = np.zeros(E + 1, np.int64)
+    h = np.zeros(HIST_BINS, np.int64)
+    for j in range(1, E + 1):
+        n = 0
+        k = 0
+        ob = 0
+        h[:] = 0
+        for i in range(j, 0, -1):  # segment exps[i-1 .. j-1]
+            n += ne[exps[i - 1]]
+            k += ke[exps[i - 1]]
+            ob += ovf_bits[exps[i - 1]]
+            h += hist[exps[i - 1]]
+            if k == 0:
+                c = 0.0
+            else:
+                ev = min(k, n - k)
+                c = _h2bits(n, k) + 0.04 * ev + 8.0 * (4 + _varint_len(ev) + (_varint_len(k) if k > n - k else 0))
+                c += _mag_cost(h, ob) + k + class_bits  # + sign bits
+            if best[i - 1] + c < best[j]:
+                best[j] = best[i - 1] + c
+                arg[j] = i - 1
+            if j - i > 24:
+                break
+    return best[E], arg
+
+
+@kernel
+def enc_walk(u, v, lut, row_alive, row_len, mant_bits, dense, ev_off, val_off, ev_out, val_out, sign, full):
+    """Collect per class (in natural order, skipping dead rows) the event gaps and signed steps."""
+    K1 = ev_off.size
+    rank = np.zeros(K1, np.int64)
+    last = np.full(K1, -1, np.int64)
+    evp = ev_off.copy()
+    vp = val_off.copy()
+    n = u.size
+    for r in range(row_alive.size):
+        if not row_alive[r]:
+            continue
+        s = r * row_len
+        e_ = min(s + row_len, n)
+        for i in range(s, e_):
+            x = u[i]
+            y = v[i]
+            c = lut[np.int64(x) >> mant_bits]
+            rk = rank[c]
+            rank[c] = rk + 1
+            ch = x != y
+            if ch != dense[c]:
+                ev_out[evp[c]] = rk - last[c] - 1
+                last[c] = rk
+                evp[c] += 1
+            if ch:
+                val_out[vp[c]] = _key(y, sign, full) - _key(x, sign, full)
+                vp[c] += 1
+    return evp, vp
+
+
+@kernel
+def golomb_best_m(g, m_hint):
+    """The Golomb parameter (among a few around the hint) that codes g in the fewest bits."""
+    best = -1
+    best_m = 1
+    for f in (0.5, 0.7, 0.85, 1.0, 1.15, 1.3, 1.6):
+        m = max(1, int(m_hint * f + 0.5))
+        b, cut = golomb_params(m)
+        L = 0
+        for x in g:
+            L += golomb_len(x, m, b, cut)
+        if best < 0 or L < best:
+            best, best_m = L, m
+    return best_m, best
+
+
+@kernel
+def write_bits(buf, row_ev, row_m, ev, ev_off, ev_cnt, cls_m, vals, val_off, val_cnt, mag_mode, mag_par):
+    """The bitstream: row gaps, each class's event gaps, then each class's magnitudes (Golomb
+    codes, or the escape payloads of rANS-coded ones). Returns its length in bits."""
+    st = np.zeros(3, np.uint64)
+    if row_ev.size:
+        b, cut = golomb_params(row_m)
+        for x in row_ev:
+            golomb_write(buf, st, x, row_m, b, cut)
+    K = ev_off.size
+    for c in range(K):
+        m = cls_m[c]
+        b, cut = golomb_params(m)
+        for j in range(ev_off[c], ev_off[c] + ev_cnt[c]):
+            golomb_write(buf, st, ev[j], m, b, cut)
+    for c in range(K):
+        if mag_mode[c] == 1:
+            m = mag_par[c]
+            b, cut = golomb_params(m)
+            for j in range(val_off[c], val_off[c] + val_cnt[c]):
+                d = vals[j]
+                golomb_write(buf, st, (d if d > 0 else -d) - 1, m, b, cut)
+        elif mag_mode[c] == 2:
+            T = mag_par[c]
+            for j in range(val_off[c], val_off[c] + val_cnt[c]):
+                d = vals[j]
+                mg = (d if d > 0 else -d) - 1
+                if mg >= T - 1:
+                    x = mg - (T - 1)
+                    L = bitlen(x)
+                    put(buf, st, L, 6)
+                    put_long(buf, st, x, L)
+    nbits = np.int64(st[2]) * 64 + np.int64(st[1])
+    if st[1]:
+        buf[np.int64(st[2])] = st[0]
+    return nbits
+
+
+@inline
+def _rans_put(x, w, out, f, cum):
+    """One rANS encoding step (state x, symbol of frequency f and cumulative frequency cum),
+    renormalising into out[w - 1] downwards; returns (x, w)."""
+    fs = np.uint64(f)
+    if x >= (fs << np.uint64(20)):
+        w -= 1
+        out[w] = np.uint16(x & np.uint64(0xFFFF))
+        x >>= np.uint64(16)
+    return ((x // fs) << np.uint64(SCALE_BITS)) + (x % fs) + np.uint64(cum), w
+
+
+@inline
+def _rans_flush(x, w, out):
+    """Store the final state below out[w] (low word first in decoding order); returns the new w."""
+    out[w - 1] = np.uint16(x >> np.uint64(16))
+    out[w - 2] = np.uint16(x & np.uint64(0xFFFF))
+    return w - 2
+
+
+@kernel
+def rans_encode(vals, val_off, val_cnt, mag_mode, mag_par, freqs, freq_off, out):
+    """Encode the table-mode magnitudes in reverse; returns the number of uint16 words written at
+    the END of out (out[size-nw:] holds them in decoding order, the final state first)."""
+    x = np.uint64(RANS_L)
+    w = out.size
+    K = val_off.size
+    cum = np.zeros(MAX_T + 1, np.int64)
+    for c in range(K - 1, -1, -1):
+        if mag_mode[c] != 2:
+            continue
+        T = mag_par[c]
+        f = freqs[freq_off[c]:freq_off[c] + T]
+        cum[0] = 0
+        for s in range(T):
+            cum[s + 1] = cum[s] + f[s]
+        for j in range(val_off[c] + val_cnt[c] - 1, val_off[c] - 1, -1):
+            d = vals[j]
+            s = (d if d > 0 else -d) - 1
+            if s > T - 1:
+                s = T - 1
+            x, w = _rans_put(x, w, out, f[s], cum[s])
+    return out.size - _rans_flush(x, w, out)
+
+
+@kernel
+def flip_byte_freqs(f4):
+    """The rANS table of flip bytes (256 symbols, summing to SCALE), from the table of flip
+    nibbles a payload carries: f8[a + 16 b] = max(1, (f4[a] f4[b] + 2048) >> 12), and what that
+    leaves of SCALE added to the first largest entry. Returns it, or an empty array if that entry
+    would drop below 1."""
+    f8 = np.empty(256, np.int64)
+    tot = 0
+    for b in range(16):
+        for a in range(16):
+            f = max(1, (f4[a] * f4[b] + SCALE // 2) >> SCALE_BITS)
+            f8[a + 16 * b] = f
+            tot += f
+    top = 0
+    for i in range(256):
+        if f8[i] > f8[top]:
+            top = i
+    f8[top] += SCALE - tot
+    if f8[top] < 1:
+        return np.zeros(0, np.int64)
+    return f8
+
+
+@kernel
+def rans_encode_bytes(syms, freqs, out):
+    """Encode byte symbols (flip bits of predicted signs, eight per symbol) as one rANS stream
+    with one table of 256, in reverse; returns the number of uint16 words written at the END of
+    out, as rans_encode."""
+    x = np.uint64(RANS_L)
+    w = out.size
+    cum = np.zeros(257, np.int64)
+    for s in range(256):
+        cum[s + 1] = cum[s] + freqs[s]
+    for j in range(syms.size - 1, -1, -1):
+        s = syms[j]
+        x, w = _rans_put(x, w, out, freqs[s], cum[s])
+    return out.size - _rans_flush(x, w, out)

@@ -1,0 +1,307 @@
+"""Encoding codec v2 payloads: full and XOR payloads as byte planes, float deltas as ULP bodies
+(the class plan, per-class codes, and raw or predicted signs)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...dtypes import DTYPE_SIZES
+from ..inputs import raw_bytes
+from . import sign_model
+from .encode_kernels import (
+    enc_stats,
+    enc_walk,
+    flip_byte_freqs,
+    golomb_best_m,
+    plan_classes,
+    rans_encode,
+    rans_encode_bytes,
+    write_bits,
+)
+from .jit import readonly
+from .wire import (
+    FLAG_SIGN_MODEL,
+    FLIP_STREAMS,
+    FLOATS,
+    METHOD_FULL,
+    METHOD_ULP,
+    METHOD_XOR,
+    SCALE,
+    UINT,
+    header,
+    planes_body,
+    varint,
+)
+
+MIN_ROW_LEN = 256    # shorter rows do not pay for their flags
+ZSTD_LEVEL = 3
+#: What a class costs the decoder (a mask pass per 64 elements and its own parse setup), charged
+#: by the encoder's class plan in bits per change of the tensor (so the same share of every
+#: payload): merging small classes makes rebuilds faster for slightly larger payloads
+#: (benchmarks/README.md, "Fewer classes").
+CLASS_COST = 0.025
+
+
+def _width(dtype: str, nbytes: int) -> int:
+    if dtype not in DTYPE_SIZES:
+        raise ValueError(f"unknown dtype {dtype!r}")
+    width = DTYPE_SIZES[dtype]
+    if nbytes % width:
+        raise ValueError(f"{nbytes} bytes is not a whole number of {dtype} elements")
+    return width
+
+
+def encode_full(new: np.ndarray, dtype: str, zstd_level: int = ZSTD_LEVEL) -> bytes:
+    """A payload of ``new`` on its own: byte planes, each zstd-compressed or raw."""
+    new = raw_bytes(new, "new")
+    width = _width(dtype, new.size)
+    return header(METHOD_FULL, width, new.size // width) + planes_body(new.view(UINT[width]), width, zstd_level)
+
+
+def _quantize_freqs(counts: np.ndarray) -> np.ndarray:
+    """Frequencies summing to SCALE, every present symbol >= 1."""
+    counts = counts.astype(np.float64)
+    tot = counts.sum()
+    f = np.where(counts > 0, np.maximum(1, np.floor(counts * SCALE / tot)), 0).astype(np.int64)
+    diff = SCALE - int(f.sum())
+    order = np.argsort(-counts, kind="stable")
+    i = 0
+    while diff != 0:
+        s = order[i % order.size]
+        if counts[s] > 0:
+            if diff > 0:
+                f[s] += 1
+                diff -= 1
+            elif f[s] > 1:
+                f[s] -= 1
+                diff += 1
+        i += 1
+    return f
+
+
+def _table_bits(mags: np.ndarray, T: int) -> tuple[float, np.ndarray]:
+    sym = np.minimum(mags, T - 1)
+    counts = np.bincount(sym, minlength=T)[:T]
+    f = _quantize_freqs(counts)
+    bits = -(counts[counts > 0] * np.log2(f[counts > 0] / SCALE)).sum()
+    esc = mags[mags >= T - 1] - (T - 1)
+    if esc.size:
+        bits += 6 * esc.size + np.ceil(np.log2(esc + 1)).sum()
+    bits += 8 * (len(varint(T)) + sum(len(varint(int(x))) for x in f))
+    return float(bits), f
+
+
+def _h2bits_py(n: int, k: int) -> float:
+    if k <= 0 or k >= n:
+        return 0.0
+    p = k / n
+    return float(-n * (p * np.log2(p) + (1 - p) * np.log2(1 - p)))
+
+
+def _segments(exps: np.ndarray, arg: np.ndarray) -> list[tuple[int, int]]:
+    segs = []
+    j = exps.size
+    while j > 0:
+        i = int(arg[j])
+        segs.append((i, j))
+        j = i
+    return segs[::-1]
+
+
+def _sign_section(u: np.ndarray, v: np.ndarray, vals: np.ndarray, lut_e: np.ndarray, mant_bits: int, E: int,
+                  shape: tuple[int, ...] | None, row_len: int, n_rows: int) -> tuple[int, bytes]:
+    """(payload flags, the signs' bytes): raw sign bits, or, where it is smaller, a sign model
+    (:mod:`.sign_model`) and the rANS-coded flips of ``vals`` (which are negated in place
+    where the model predicts a negative step)."""
+    raw = np.packbits(vals < 0, bitorder="little").tobytes()
+    if not shape or len(shape) < 2 or row_len * n_rows != u.size or vals.size < sign_model.MIN_CHANGES:
+        return 0, raw
+    changed = np.flatnonzero(u != v)
+    cls = lut_e[(u[changed] >> mant_bits).astype(np.int64) & (E - 1)].astype(np.uint8)  # K <= 256 classes
+    order = np.argsort(cls, kind="stable")  # (a radix sort) value j is the change at changed[order[j]]
+    signs = np.zeros(u.size, np.int8)
+    signs[changed[order]] = np.where(vals < 0, -1, 1)
+    rows, cols = np.divmod(changed, row_len)
+    fitted = sign_model.fit(signs.reshape(n_rows, row_len), rows, cols)
+    if fitted is None:
+        return 0, raw
+    model, predicted = fitted
+    stored = np.where(predicted[order], -vals, vals)
+    flips = np.zeros((stored.size + 7) // 8 * 8, np.uint8)
+    flips[:stored.size] = stored < 0
+    nibbles = flips[0::4] | flips[1::4] << 1 | flips[2::4] << 2 | flips[3::4] << 3
+    f4 = _quantize_freqs(np.bincount(nibbles, minlength=16))
+    f8 = flip_byte_freqs(f4)
+    if f8.size == 0:
+        return 0, raw
+    syms = np.packbits(flips, bitorder="little")
+    buf = np.zeros(syms.size + 8, np.uint16)
+    section = model.to_bytes() + b"".join(varint(int(f)) for f in f4)
+    for k in range(FLIP_STREAMS):
+        nw = rans_encode_bytes(syms[k::FLIP_STREAMS].copy(), f8, buf)
+        coded = buf[buf.size - nw:].astype("<u2").tobytes()
+        section += varint(len(coded)) + coded
+    if len(section) >= len(raw):
+        return 0, raw
+    vals[:] = stored
+    return FLAG_SIGN_MODEL, section
+
+
+def _encode_ulp(u: np.ndarray, v: np.ndarray, dtype: str, shape: tuple[int, ...] | None,
+                predict_signs: bool = True, class_cost: float = 0.0) -> tuple[bytes, int]:
+    """The ULP payload of old elements u -> new elements v, and the number of changes."""
+    width, mant_bits, exp_bits = FLOATS[dtype]
+    bits_w = 8 * width
+    sign, full = 1 << (bits_w - 1), (1 << bits_w) - 1
+    E = 1 << exp_bits
+    n = u.size
+    row_len = n
+    if shape and len(shape) >= 2 and int(np.prod(shape)) == n and shape[-1] >= MIN_ROW_LEN:
+        row_len = int(shape[-1])
+    row_len = max(1, row_len)
+    n_rows = (n + row_len - 1) // row_len if n else 0
+    ne, ne_alive, ke, hist, ovf_bits, row_alive = enc_stats(u, v, mant_bits, E - 1, row_len, n_rows, sign, full)
+    n_changed = int(ke.sum())
+
+    # class plans without and with the dead-rows filter
+    exps = np.flatnonzero(ne).astype(np.int64)
+    class_bits = class_cost * n_changed
+    cost, arg = plan_classes(exps, ne, ke, hist, ovf_bits, class_bits)
+    ne_used = ne
+    n_alive = int(row_alive.sum())
+    row_mode = 0
+    if n_rows > 1 and n_alive < n_rows:
+        exps_a = np.flatnonzero(ne_alive).astype(np.int64)
+        cost1, arg1 = plan_classes(exps_a, ne_alive, ke, hist, ovf_bits, class_bits)
+        minority = min(n_alive, n_rows - n_alive)
+        cost1 += _h2bits_py(n_rows, minority) + 0.04 * minority + 24
+        if cost1 < cost:
+            row_mode = 1 if (n_rows - n_alive) <= n_alive else 2
+            exps, arg, ne_used = exps_a, arg1, ne_alive
+    if row_mode == 0:
+        row_alive = np.ones(n_rows, np.uint8)
+
+    classes = []  # (lo, hi, elements, changes) of the segments that have changes
+    for i, j in _segments(exps, arg):
+        es = exps[i:j]
+        k = int(ke[es].sum())
+        if k:
+            classes.append((int(es[0]), int(es[-1]), int(ne_used[es].sum()), k))
+    K = len(classes)
+    lut_e = np.full(E, K, np.int64)
+    dense = np.zeros(K + 1, np.bool_)
+    cls_nev = np.zeros(K, np.int64)
+    cls_nchg = np.zeros(K, np.int64)
+    for c, (lo, hi, nn, k) in enumerate(classes):
+        lut_e[lo:hi + 1] = c
+        dense[c] = k > nn - k
+        cls_nev[c] = nn - k if dense[c] else k
+        cls_nchg[c] = k
+    lut = np.concatenate([lut_e, lut_e])
+    ev_off = np.concatenate([[0], np.cumsum(cls_nev)[:-1]]).astype(np.int64) if K else np.zeros(0, np.int64)
+    val_off = np.concatenate([[0], np.cumsum(cls_nchg)[:-1]]).astype(np.int64) if K else np.zeros(0, np.int64)
+    ev = np.empty(int(cls_nev.sum()), np.int64)
+    vals = np.empty(n_changed, np.int64)
+    if K:
+        enc_walk(u, v, lut, row_alive, row_len, mant_bits, dense, np.append(ev_off, 0), np.append(val_off, 0),
+                  ev, vals, sign, full)
+    row_ev = np.zeros(0, np.int64)
+    row_m = 1
+    if row_mode:
+        rows = np.flatnonzero(row_alive == 0) if row_mode == 1 else np.flatnonzero(row_alive)
+        row_ev = (np.diff(rows, prepend=-1) - 1).astype(np.int64)
+        row_m, _ = golomb_best_m(row_ev, max(1.0, 0.69 * row_ev.mean()) if row_ev.size else 1.0)
+    # per-class Golomb parameters and magnitude coding
+    cls_m = np.ones(K, np.int64)
+    mag_mode = np.zeros(K, np.int64)
+    mag_par = np.zeros(K, np.int64)
+    tables: dict[int, np.ndarray] = {}
+    for c in range(K):
+        g = ev[ev_off[c]:ev_off[c] + cls_nev[c]]
+        if g.size:
+            cls_m[c], _ = golomb_best_m(g, max(1.0, 0.69 * g.mean()))
+        mags = np.abs(vals[val_off[c]:val_off[c] + cls_nchg[c]]) - 1
+        if mags.max() == 0:
+            continue
+        m2, gl = golomb_best_m(mags, max(1.0, 0.69 * mags.mean()))
+        best_bits, best = gl + 8 * len(varint(int(m2))), (1, int(m2), None)
+        mx = int(mags.max())
+        for T in (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
+            tb, f = _table_bits(mags, T)
+            if tb < best_bits:
+                best_bits, best = tb, (2, T, f)
+            if T - 1 > mx:
+                break
+        mag_mode[c], mag_par[c] = best[0], best[1]
+        if best[0] == 2:
+            tables[c] = best[2]
+    freq_off = np.zeros(K, np.int64)
+    flist = []
+    o = 0
+    for c in range(K):
+        if c in tables:
+            freq_off[c] = o
+            flist.append(tables[c])
+            o += tables[c].size
+    freqs = np.concatenate(flist).astype(np.int64) if flist else np.zeros(1, np.int64)
+
+    bound = (row_ev.size + ev.size + vals.size) * 112 // 64 + 4  # every code is at most 47 + 63 bits
+    buf = np.zeros(bound, np.uint64)
+    nbits = write_bits(buf, row_ev, row_m, ev, ev_off, cls_nev, cls_m, vals, val_off, cls_nchg, mag_mode, mag_par)
+    bits_bytes = buf.view(np.uint8)[: (nbits + 7) // 8].tobytes()
+    flags, signs = _sign_section(u, v, vals, lut_e, mant_bits, E, shape if predict_signs else None, row_len, n_rows)
+    rans_bytes = b""
+    if tables:
+        rbuf = np.zeros(vals.size * 2 + 8, np.uint16)
+        nw = rans_encode(vals, val_off, cls_nchg, mag_mode, mag_par, freqs, freq_off, rbuf)
+        rans_bytes = rbuf[rbuf.size - nw:].astype("<u2").tobytes()
+
+    out = bytearray(header(METHOD_ULP, width, n, flags))
+    out += varint(n_changed) + varint(row_len)
+    out.append(row_mode)
+    if row_mode:
+        out += varint(int(row_ev.size)) + varint(int(row_m))
+    out += varint(K)
+    prev_hi = -1
+    for c, (lo, hi, _nn, _k) in enumerate(classes):
+        out += varint(lo - prev_hi - 1) + varint(hi - lo)
+        prev_hi = hi
+        out.append(int(dense[c]) | (int(mag_mode[c]) << 1))
+        out += varint(int(cls_nev[c]))
+        if dense[c]:
+            out += varint(int(cls_nchg[c]))
+        out += varint(int(cls_m[c]))
+        if mag_mode[c] == 1:
+            out += varint(int(mag_par[c]))
+        elif mag_mode[c] == 2:
+            out += varint(int(mag_par[c])) + b"".join(varint(int(x)) for x in tables[c])
+    out += varint(int(nbits)) + bits_bytes + signs + varint(len(rans_bytes)) + rans_bytes
+    return bytes(out), n_changed
+
+
+def encode_delta(old: np.ndarray, new: np.ndarray, dtype: str, shape: tuple[int, ...] | None = None,
+                 zstd_level: int = ZSTD_LEVEL, dense_fraction: float = 0.125, predict_signs: bool = True,
+                 class_cost: float = CLASS_COST) -> bytes:
+    """A payload that rebuilds ``new`` from ``old`` (raw bytes of ``dtype``, same size).
+
+    ``shape`` (optional) is the tensor's shape: rows of its last dimension that do not change at
+    all are then flagged instead of coded element by element. When more than ``dense_fraction``
+    of the elements changed, a full payload is returned if it is smaller. ``predict_signs``: try a
+    sign model (:mod:`.sign_model`) where the shape allows it. ``class_cost``: see CLASS_COST.
+    """
+    new = raw_bytes(new, "new")
+    old = raw_bytes(old, "old")
+    if old.size != new.size:
+        raise ValueError(f"old has {old.size} bytes, new has {new.size}")
+    width = _width(dtype, new.size)
+    n = new.size // width
+    if dtype in FLOATS:
+        payload, n_changed = _encode_ulp(readonly(old, UINT[width]), readonly(new, UINT[width]), dtype, shape,
+                                         predict_signs, class_cost)
+        if n_changed > dense_fraction * n:
+            full = encode_full(new, dtype, zstd_level)
+            if len(full) < len(payload):
+                return full
+        return payload
+    x = np.bitwise_xor(old, new).view(UINT[width])
+    return header(METHOD_XOR, width, n) + planes_body(x, width, zstd_level)
