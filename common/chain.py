@@ -157,7 +157,8 @@ class ChainReader:
         """Manifests to apply, oldest first, to reach ``target_id``.
 
         From ``current_id`` when the deltas link up from it, else from the nearest base.
-        Raises ChainError when a delta's predecessor is missing or steps do not increase.
+        Raises ChainError when a delta's predecessor is missing, steps do not increase, or a delta
+        follows a snapshot of another run (one without a run id, from before them, may start one).
         """
         if target_id == current_id:
             return []
@@ -178,6 +179,9 @@ class ChainReader:
                 raise ChainError(f"snapshot {manifest.snapshot_id} needs {prev_id}, which is not in the store") from None
             if prev.step >= manifest.step:
                 raise ChainError(f"snapshot {manifest.snapshot_id} (step {manifest.step}) follows a later step {prev.step}")
+            if prev.run_id is not None and prev.run_id != manifest.run_id:
+                raise ChainError(f"snapshot {manifest.snapshot_id} of run {manifest.run_id} follows {prev_id} of "
+                                 f"another run, {prev.run_id}")
             if len(path) > 100_000:
                 raise ChainError("snapshot chain does not end in a base")
             manifest = prev

@@ -12,15 +12,18 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
 from . import store_keys
 from .chain import ChainReader
-from .checkpoint_dir import install_checkpoint, is_side_file, read_checkpoint_dir
+from .checkpoint_dir import PULL_MARKER, install_checkpoint, is_side_file, read_checkpoint_dir
 from .checksum import verify_blob
-from .errors import ChainError, CorruptDataError, DeltaSwapError, NotFoundError
+from .errors import ChainError, CorruptDataError, DeltaSwapError, NotFoundError, RollbackError
+from .freshness import Seen, refuse_going_back
 from .manifest import Manifest
 from .publisher import Publisher, PublisherConfig
 from .rebuild import rebuild
@@ -28,6 +31,8 @@ from .signing import TrustedKeys, generate_keypair, split_paths
 from .stores import Store, open_store
 
 log = logging.getLogger("delta_swap.cli")
+#: The name of the thread ``codec.start_warm_up`` runs the warm-up child from.
+WARM_UP_THREAD = "delta-swap-codec-warm-up"
 
 
 @contextmanager
@@ -61,7 +66,7 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
 def _cmd_publish(args: argparse.Namespace) -> int:
     state, files = read_checkpoint_dir(args.checkpoint_dir)
     config = PublisherConfig(base_every=args.base_every, max_delta_fraction=args.max_delta_fraction,
-                             signing_key=args.signing_key)
+                             signing_key=args.signing_key, run_id=args.run_id)
     total = sum(t.nbytes for t in state.values())
     with _progress("publish", total, not args.quiet) as update, Publisher(args.store, config, files, update) as pub:
         snapshot_id = pub.publish(args.step, state, force_base=args.base)
@@ -69,7 +74,7 @@ def _cmd_publish(args: argparse.Namespace) -> int:
         signed = pub.signing_key is not None
     manifest = asyncio.run(_manifest(args.store, snapshot_id))
     print(f"published {manifest.snapshot_id} ({manifest.kind}, step {manifest.step}{', signed' if signed else ''}): "
-          f"{manifest.payload_bytes} bytes stored for {manifest.model_bytes} model bytes")
+          f"{manifest.payload_bytes} bytes stored for {manifest.model_bytes} model bytes; run {manifest.run_id}")
     return 0
 
 
@@ -96,21 +101,34 @@ async def _pull(args: argparse.Namespace) -> tuple[Manifest, int]:
         reader = ChainReader(store, _trusted(args))
         with _progress("fetch", None, not args.quiet) as update:
             try:
-                manifest, state, path = await rebuild(store, args.snapshot, reader=reader, progress=update,
+                target = args.snapshot or await reader.latest_id()
+                if target is not None and not args.allow_older:
+                    refuse_going_back(await reader.manifest(target), _earlier_pull(args.out),
+                                      f"the pull in {args.out}", "pass --allow-older to replace it anyway")
+                manifest, state, path = await rebuild(store, target, reader=reader, progress=update,
                                                       max_model_bytes=args.max_model_bytes)
             except (CorruptDataError, ChainError, NotFoundError) as exc:
-                if args.snapshot is not None:
+                if args.snapshot is not None or isinstance(exc, RollbackError):
                     raise
                 raise await _name_the_newest_good(reader, exc, args.max_model_bytes) from None
         files = await _side_files(reader, path)
-        marker = {"snapshot_id": manifest.snapshot_id, "step": manifest.step, "store": store.public_url,
-                  "pulled_at": time.time()}
+        marker = {"snapshot_id": manifest.snapshot_id, "step": manifest.step, "run_id": manifest.run_id,
+                  "store": store.public_url, "pulled_at": time.time()}
         with _progress("write", manifest.model_bytes, not args.quiet) as update:
             await asyncio.to_thread(install_checkpoint, args.out, state, files, marker, force=args.force,
                                     progress=update)
         return manifest, manifest.model_bytes
     finally:
         await store.close()
+
+
+def _earlier_pull(out: str) -> Seen | None:
+    """The snapshot an earlier pull wrote into ``out`` (None if ``out`` holds none we can read)."""
+    try:
+        with open(Path(out) / PULL_MARKER, "rb") as fh:
+            return Seen.from_doc(json.loads(fh.read(1 << 16)))
+    except (OSError, ValueError, RecursionError):
+        return None
 
 
 async def _name_the_newest_good(reader: ChainReader, exc: DeltaSwapError, max_model_bytes: int | None,
@@ -158,18 +176,22 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     manifests = asyncio.run(_list(args))
     rows = [
         {"snapshot_id": m.snapshot_id, "kind": m.kind.value, "prev_snapshot_id": m.prev_snapshot_id,
-         "base_snapshot_id": m.base_snapshot_id, "step": m.step, "payload_bytes": m.payload_bytes,
+         "base_snapshot_id": m.base_snapshot_id, "run_id": m.run_id, "step": m.step, "payload_bytes": m.payload_bytes,
          "model_bytes": m.model_bytes, "tensors": len(m.tensors), "created_at": m.created_at}
         for m in manifests
     ]
+    runs = sorted({str(r["run_id"]) for r in rows})
+    if len(runs) > 1:
+        log.warning("delta-swap: the store holds snapshots of %d runs (%s): a server or pull follows one of them",
+                    len(runs), ", ".join(runs))
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
-    print(f"{'snapshot_id':<18} {'kind':<5} {'step':>8} {'prev':<18} {'payload':>12} {'% model':>8}")
+    print(f"{'snapshot_id':<18} {'kind':<5} {'step':>8} {'prev':<18} {'run':<20} {'payload':>12} {'% model':>8}")
     for r in rows:
         pct = 100.0 * r["payload_bytes"] / max(1, r["model_bytes"])
         print(f"{r['snapshot_id']:<18} {r['kind']:<5} {r['step']:>8} {r['prev_snapshot_id'] or '-':<18} "
-              f"{r['payload_bytes']:>12} {pct:>7.2f}%")
+              f"{r['run_id'] or '-':<20} {r['payload_bytes']:>12} {pct:>7.2f}%")
     return 0
 
 
@@ -206,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-delta-fraction", type=float, default=0.5,
                    help="publish a base instead when a delta exceeds this fraction of the model (default 0.5)")
     p.add_argument("--signing-key", help="sign the snapshot with this private key. Env: DELTA_SWAP_SIGNING_KEY")
+    p.add_argument("--run-id", help="the run to publish (default: the run of the store's newest snapshot that "
+                                    "verifies, or a new one); snapshots of other runs are ignored")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_publish)
 
@@ -216,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trusted-key", help=trusted_help)
     p.add_argument("--max-model-bytes", type=int, help="refuse snapshots whose tensors add up to more bytes")
     p.add_argument("--force", action="store_true", help="replace --out even if it is not an earlier pull")
+    p.add_argument("--allow-older", action="store_true",
+                   help="replace an earlier pull in --out with an older step or a snapshot of another run")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_pull)
 
@@ -230,9 +256,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    interrupted = False
     try:
         return args.func(args)
     except KeyboardInterrupt:
+        interrupted = True
         return 130
     except Exception as exc:
         if os.environ.get("DELTA_SWAP_DEBUG"):
@@ -242,6 +270,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         kind = "error" if known else f"unexpected error ({type(exc).__name__})"
         print(f"delta-swap {args.command}: {kind}: {message}", file=sys.stderr)
         return 1 if known else 2
+    finally:
+        if not interrupted:
+            _wait_for_codec_warm_up(quiet=getattr(args, "quiet", False))
+
+
+def _wait_for_codec_warm_up(quiet: bool) -> None:
+    """Wait for the codec warm-up a publisher started in this process (it compiles in a child
+    process, which would otherwise outlive the command and keep compiling, orphaned). Cold, once
+    per machine, this is the codec's compile; with its cache, under a second."""
+    for thread in threading.enumerate():
+        if thread.name == WARM_UP_THREAD and thread.is_alive():
+            if not quiet:
+                print("delta-swap: waiting for the codec's compile to finish (once per machine; cached after)",
+                      file=sys.stderr)
+            thread.join()
 
 
 if __name__ == "__main__":

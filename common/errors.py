@@ -9,6 +9,7 @@
     │   ├── FormatVersionError        a format version this build cannot read
     │   └── SignatureError            a snapshot is unsigned, or not signed by a trusted key
     ├── ChainError                    snapshots do not link up (missing, out of order, foreign)
+    │   └── RollbackError             an older snapshot, or another run's, than one verified before
     ├── IncompatibleSnapshotError     a snapshot does not fit the served model (names, dtypes, shapes)
     ├── StoreError                    a store could not be reached or refused an operation
     │   ├── NotFoundError             the key (or the store) does not exist
@@ -52,6 +53,10 @@ class SignatureError(CorruptDataError):
 
 class ChainError(DeltaSwapError):
     """Snapshots do not link up: a missing, out-of-order or foreign delta."""
+
+
+class RollbackError(ChainError):
+    """A snapshot is older than, or of another run than, the one a reader verified before."""
 
 
 class IncompatibleSnapshotError(DeltaSwapError):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import secrets
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
@@ -106,6 +107,20 @@ def snapshot_id_for_step(step: int) -> str:
     return f"step-{step:010d}"
 
 
+def new_run_id() -> str:
+    """A fresh run id (64 random bits), fixed at the first base of a chain."""
+    return f"run-{secrets.token_hex(8)}"
+
+
+def check_run_id(run_id: Any) -> str | None:
+    """Return ``run_id`` if it is None (a chain from before run ids) or a safe identifier."""
+    if run_id is None:
+        return None
+    if not isinstance(run_id, str) or not _ID_RE.fullmatch(run_id):
+        raise CorruptDataError(f"invalid run id {run_id!r:.80}")
+    return run_id
+
+
 @dataclass(frozen=True)
 class TensorEntry:
     """One tensor of the rebuilt model and where its bytes are."""
@@ -150,6 +165,9 @@ class Manifest:
     files: tuple[BlobEntry, ...] = ()
     created_at: float = 0.0
     metadata: dict[str, str] = field(default_factory=dict)
+    #: The run this snapshot belongs to: fixed at the chain's first base, carried by every later
+    #: snapshot, covered by the signature. None in manifests written before run ids.
+    run_id: str | None = None
     format_version: int = FORMAT_VERSION
 
     @property
@@ -205,6 +223,7 @@ def _parse_manifest(doc: Any) -> Manifest:
             files=tuple(_parse_blob(b, "file") for b in _list(doc.get("files", []), "files")),
             created_at=_finite(doc.get("created_at", 0.0), "created_at"),
             metadata=_metadata(doc.get("metadata", {})),
+            run_id=check_run_id(doc.get("run_id")),
             format_version=version,
         )
     except (KeyError, TypeError, ValueError) as exc:

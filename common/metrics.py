@@ -26,6 +26,10 @@ class SubscriberMetrics:
         self.newest_step = Gauge("delta_swap_newest_step", "Step of the newest snapshot seen in the store")
         self.staleness_steps = Gauge("delta_swap_staleness_steps", "Steps the engine is behind the store")
         self.staleness_seconds = Gauge("delta_swap_staleness_seconds", "Seconds since the newest unapplied snapshot was published")
+        self.published_step_seen = Gauge("delta_swap_published_step_seen",
+                                         "Newest step the trainer's heartbeat says it published")
+        self.trainer_seen_seconds = Gauge("delta_swap_trainer_seen_seconds",
+                                          "Seconds since the trainer last wrote its heartbeat")
         self.bytes_fetched = Counter("delta_swap_fetched_bytes", "Bytes fetched from the store")
         self.updates = Counter("delta_swap_updates", "Snapshots swapped into the engine")
         self.failures = Counter("delta_swap_failures", "Failed updates by kind", ["kind"])

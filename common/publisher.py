@@ -9,6 +9,12 @@ Several ranks may each publish their own subset of the tensors into one snapshot
 encodes and uploads its own part, and :mod:`.commit` merges the parts into the manifest. A rank
 whose tensors cannot be diffed (new tensors, changed shapes, a delta too large) stores its part
 in full inside a delta.
+
+With a signing key, only signed state can hold the publisher back: a HEAD, manifest or part that
+does not verify with its own (or ``trusted_key``'s) public key is ignored, said once in the log,
+and replaced where it is in the way; the publisher resumes only on a head that verifies, and
+writes a signed heartbeat (:mod:`.heartbeat`) after each commit and every ``heartbeat_every``
+seconds.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import io
 import logging
 import os
 import queue
+import re
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -28,18 +35,39 @@ import numpy as np
 from . import codec, store_keys
 from .chain import ChainReader
 from .checksum import checksum, sha256
-from .commit import Part, commit, try_commit
-from .errors import ChainError, ConfigError, CorruptDataError, NotFoundError, PublishError
-from .manifest import BlobEntry, Encoding, Manifest, SnapshotKind, TensorEntry, snapshot_id_for_step
+from .commit import Part, commit, try_commit, write_part
+from .errors import (
+    ChainError,
+    ConfigError,
+    CorruptDataError,
+    DeltaSwapError,
+    IncompatibleSnapshotError,
+    NotFoundError,
+    PublishError,
+)
+from .heartbeat import write_heartbeat
+from .manifest import (
+    BlobEntry,
+    Encoding,
+    Manifest,
+    SnapshotKind,
+    TensorEntry,
+    check_run_id,
+    new_run_id,
+    snapshot_id_for_step,
+)
 from .rebuild import rebuild
 from .retention import prune
 from .safetensors_io import write_safetensors
-from .signing import SigningKey
+from .signing import SigningKey, TrustedKeys, split_paths
 from .stores import Store, open_store
 from .tensors import StateDict, state_to_host
 
 DELTA_SHARD_MAGIC = b"DSWPSHD1"
 log = logging.getLogger("delta_swap.publisher")
+#: Snapshots read, newest first, to find the run of a store whose HEAD is unusable.
+RUN_SEARCH_LIMIT = 64
+_STEP_ID_RE = re.compile(r"step-(\d{1,19})")
 
 
 @dataclass(frozen=True)
@@ -62,6 +90,19 @@ class PublisherConfig:
     notify_token: str | None = None
     #: Private key file that signs every manifest (default: $DELTA_SWAP_SIGNING_KEY, if set).
     signing_key: str | None = None
+    #: Public key files (comma-separated) whose snapshots count as this trainer's besides its own
+    #: key's, e.g. the previous key during a rotation (default: $DELTA_SWAP_TRUSTED_KEY, if set).
+    trusted_key: str | None = None
+    #: The run this publisher writes. Default: the run of the newest snapshot of the store that
+    #: verifies, or a new one for an empty store. Set it to ignore snapshots of other runs.
+    run_id: str | None = None
+    #: Resume refuses a head whose tensors add up to more bytes (default: twice the bytes of the
+    #: first step published, times ``world_size``).
+    max_model_bytes: int | None = None
+    #: Seconds between heartbeats while no step is published (0: only after each commit); a
+    #: heartbeat says it is current for ``heartbeat_ttl`` seconds.
+    heartbeat_every: float = 30.0
+    heartbeat_ttl: float = 300.0
     #: HEAD further ahead than this many steps of a new commit is taken for garbage and replaced.
     max_step_jump: int = 1_000_000
     #: After each new base, delete snapshots older than the newest ``keep_bases`` bases (0 keeps all).
@@ -98,6 +139,14 @@ class Publisher:
         key_path = config.signing_key or os.environ.get("DELTA_SWAP_SIGNING_KEY") or None
         #: Signs every manifest this publisher commits (None: unsigned snapshots).
         self.signing_key = SigningKey.load(key_path) if key_path else None
+        extra = split_paths(config.trusted_key or os.environ.get("DELTA_SWAP_TRUSTED_KEY"))
+        trusted = [self.signing_key.trusted()] if self.signing_key else []
+        trusted += [TrustedKeys.load(extra)] if extra else []
+        #: Keys whose snapshots, parts and heads count (None: no signing key, nothing is verified).
+        self.trusted: TrustedKeys | None = None
+        for keys in trusted:
+            self.trusted = keys if self.trusted is None else self.trusted | keys
+        check_run_id(config.run_id)
         self._notify_token = config.notify_token or os.environ.get("DELTA_SWAP_ADMIN_TOKEN") or None
         self._progress = progress or (lambda n: None)
         # Opened here so a bad URL fails now; remote stores bind to the worker's loop on first use.
@@ -114,6 +163,8 @@ class Publisher:
         self._prev_id: str | None = None
         self._last_base_step: int | None = None
         self._resumed = False
+        #: The run this publisher writes (known after the first publish).
+        self.run_id: str | None = config.run_id
         self._thread = threading.Thread(target=self._run, name=f"delta-swap-publisher-{config.rank}", daemon=True)
         self._thread.start()
         if config.codec.version >= 2:
@@ -181,9 +232,15 @@ class Publisher:
     def _run(self) -> None:
         loop = asyncio.new_event_loop()
         store = self._store
+        every = self.config.heartbeat_every
         try:
             while True:
-                job = self._queue.get()
+                try:
+                    job = self._queue.get(timeout=every if every > 0 else None)
+                except queue.Empty:
+                    if self._error is None:
+                        loop.run_until_complete(self._heartbeat(store))
+                    continue
                 try:
                     if job is None:
                         return
@@ -199,12 +256,11 @@ class Publisher:
 
     async def _publish(self, store: Store, job: _Job) -> None:
         cfg = self.config
-        if cfg.resume and not self._resumed:
+        if not self._resumed:
             await self._resume(store, job)
         self._resumed = True
         snapshot_id = snapshot_id_for_step(job.step)
-        if await store.exists(store_keys.manifest_key(snapshot_id)):
-            raise ChainError(f"snapshot {snapshot_id} already exists in {store.url}")
+        await self._check_free(store, snapshot_id)
         cadence = self._last_base_step is None or job.force_base or job.step - self._last_base_step >= cfg.base_every
         prev = self._prev_state
         must_full = cadence or prev is None or _layout_of(prev) != _layout_of(job.state)
@@ -217,49 +273,139 @@ class Publisher:
                 await store.put(store_keys.shard_key(snapshot_id, shard.name), data)
         if cadence or (cfg.world_size == 1 and part.full):
             self._last_base_step = job.step
-        sign = self.signing_key
+        sign, trusted = self.signing_key, self.trusted
         if cfg.world_size == 1:
-            committed: Manifest | None = await commit(store, [part], sign, cfg.max_step_jump)
+            try:
+                committed: Manifest | None = await commit(store, [part], sign, cfg.max_step_jump, trusted)
+            except ChainError as exc:
+                if part.full or sign is None:
+                    raise
+                # The predecessor was deleted or replaced by something unsigned: start again from a base.
+                log.warning("delta-swap: cannot publish %s as a delta (%s); publishing a base", snapshot_id, exc)
+                part = await self._full_part(store, job, snapshot_id)
+                self._last_base_step = job.step
+                committed = await commit(store, [part], sign, cfg.max_step_jump, trusted)
         else:
-            await store.put(store_keys.part_key(snapshot_id, cfg.rank), part.to_json())
-            committed = await try_commit(store, snapshot_id, cfg.world_size, sign, cfg.max_step_jump)
+            await write_part(store, part, sign)
+            committed = await try_commit(store, snapshot_id, cfg.world_size, sign, cfg.max_step_jump, trusted)
+        if committed is not None:
+            self.run_id = committed.run_id
+            await self._heartbeat(store, committed)
         if committed is not None and cfg.notify_urls:
             await notify(cfg.notify_urls, committed, token=self._notify_token)
         if committed is not None and cfg.keep_bases and committed.kind is SnapshotKind.BASE:
-            await prune(store, cfg.keep_bases)
+            await prune(store, cfg.keep_bases, ChainReader(store, trusted))
         self._prev_state, self._prev_id = job.state, snapshot_id
         self.published.append(snapshot_id)
         if committed is not None:
             self.last_manifest = committed
 
     async def _resume(self, store: Store, job: _Job) -> None:
-        """Continue the chain in the store: deltas of the next steps are taken against its head.
+        """First publish: take the run of the store's newest snapshot and, with ``resume``,
+        continue its chain: deltas of the next steps are taken against its head.
 
-        A damaged head (a corrupt HEAD, manifest or shard) does not stop publishing: it is logged
-        and the next snapshot is a full base, which needs no previous state. The same holds when
-        the first publish is a base anyway: the head is not rebuilt at all.
+        The head counts only if it verifies (with a signing key), belongs to ``run_id`` (when
+        set) and is at most ``max_step_jump`` steps ahead; otherwise it is ignored (logged once)
+        and the newest such snapshot gives the run. A damaged head (a corrupt manifest or shard,
+        more than ``max_model_bytes``) does not stop publishing either: it is logged and the next
+        snapshot is a full base, which needs no previous state. The same holds when the first
+        publish is a base anyway: the head is not rebuilt at all.
         """
-        reader = ChainReader(store)
-        try:
-            head = await reader.head()
-        except (CorruptDataError, NotFoundError) as exc:
-            log.warning("delta-swap: the store's HEAD is unusable (%s); publishing a new base", exc)
-            return
-        if head is None:
+        cfg = self.config
+        reader = ChainReader(store, self.trusted)
+        head, verified_head = await self._own_head(reader, job)
+        if self.run_id is None:
+            self.run_id = head.run_id if head is not None and head.run_id else new_run_id()
+        if head is None or not cfg.resume:
             return
         if head.step >= job.step:
             raise ChainError(f"store head is at step {head.step}; cannot publish step {job.step} after it")
-        if job.force_base:
+        if job.force_base or not verified_head:  # deltas only against the head, once it verified
             return
+        limit = cfg.max_model_bytes or 2 * cfg.world_size * sum(t.nbytes for t in job.state.values())
         try:
-            manifest, state, _ = await rebuild(store, head.snapshot_id, reader=reader)
+            manifest, state, _ = await rebuild(store, head.snapshot_id, reader=reader, max_model_bytes=limit)
             self._last_base_step = (await reader.manifest(manifest.base_snapshot_id)).step
-        except (CorruptDataError, ChainError, NotFoundError) as exc:
+        except (CorruptDataError, ChainError, NotFoundError, IncompatibleSnapshotError) as exc:
             log.warning("delta-swap: the store's head %s cannot be rebuilt (%s); publishing a new base",
                         head.snapshot_id, exc)
             return
         self._prev_state = {name: state[name] for name in job.state if name in state}
         self._prev_id = manifest.snapshot_id
+
+    def _is_own(self, manifest: Manifest, job_step: int) -> bool:
+        """Whether a verified manifest counts as this run's (and is not a runaway step)."""
+        run_ok = self.config.run_id is None or manifest.run_id == self.config.run_id
+        return run_ok and manifest.step <= job_step + self.config.max_step_jump
+
+    async def _own_head(self, reader: ChainReader, job: _Job) -> tuple[Manifest | None, bool]:
+        """The manifest HEAD names if it counts as this run's (and True), else the newest one
+        that does (and False)."""
+        why = "it names another run or a runaway step"
+        try:
+            head = await reader.head()
+            if head is None:
+                return None, False
+            manifest = await reader.manifest(head.snapshot_id)
+            if self._is_own(manifest, job.step):
+                return manifest, True
+        except (CorruptDataError, NotFoundError) as exc:
+            why = str(exc)
+        found = await self._newest_own(reader, job)
+        log.warning("delta-swap: ignoring the store's HEAD and what it names (%s); %s", why,
+                    f"run {found.run_id} continues after {found.snapshot_id} with a new base" if found
+                    else "publishing a new base")
+        return found, False
+
+    async def _newest_own(self, reader: ChainReader, job: _Job) -> Manifest | None:
+        """The newest of the :data:`RUN_SEARCH_LIMIT` newest snapshots that counts as this run's."""
+        try:
+            ids = await reader.snapshot_ids()
+        except NotImplementedError:
+            return None
+        steps = sorted(((int(m.group(1)), i) for i in ids if (m := _STEP_ID_RE.fullmatch(i))), reverse=True)
+        for _, snapshot_id in steps[:RUN_SEARCH_LIMIT]:
+            try:
+                manifest = await reader.manifest(snapshot_id)
+            except (CorruptDataError, NotFoundError):
+                continue
+            if self._is_own(manifest, job.step):
+                return manifest
+        return None
+
+    async def _check_free(self, store: Store, snapshot_id: str) -> None:
+        """Raise ChainError if this run already committed ``snapshot_id``; a manifest there that
+        does not verify (or is another run's) is logged and will be overwritten."""
+        if not await store.exists(store_keys.manifest_key(snapshot_id)):
+            return
+        try:
+            manifest = await ChainReader(store, self.trusted).manifest(snapshot_id)
+            if self._is_own(manifest, manifest.step):
+                raise ChainError(f"snapshot {snapshot_id} already exists in {store.public_url}")
+            why = f"it belongs to run {manifest.run_id}"
+        except (CorruptDataError, NotFoundError) as exc:
+            why = str(exc)
+        log.warning("delta-swap: %s in the store is not this trainer's (%s); overwriting it", snapshot_id, why)
+
+    async def _heartbeat(self, store: Store, committed: Manifest | None = None) -> None:
+        """Write the heartbeat for ``committed`` (default, on rank 0 only: the newest snapshot this
+        publisher knows to be committed). Best effort: a failure is logged, never raised."""
+        cfg = self.config
+        try:
+            if committed is None:
+                if cfg.rank != 0 or not self.published:
+                    return
+                committed = self.last_manifest
+                if committed is None or committed.snapshot_id != self.published[-1]:
+                    try:
+                        committed = await ChainReader(store, self.trusted).manifest(self.published[-1])
+                    except (CorruptDataError, NotFoundError):
+                        pass
+                if committed is None:
+                    return
+            await write_heartbeat(store, committed, self.signing_key, cfg.heartbeat_ttl)
+        except (DeltaSwapError, OSError, asyncio.TimeoutError) as exc:
+            log.warning("delta-swap: writing the heartbeat failed: %s", exc)
 
     def _delta_part(self, job: _Job, snapshot_id: str) -> tuple[Part, bytes] | None:
         """Encode this rank's tensors against the previous step; None if a full part is better."""
@@ -285,7 +431,8 @@ class Publisher:
                 return None
         data = buf.getvalue() if buf.tell() > len(DELTA_SHARD_MAGIC) else b""
         shards = [BlobEntry(shard, len(data), checksum(data), sha256(data))] if data else []
-        part = Part(snapshot_id, job.step, cfg.rank, cfg.world_size, False, self._prev_id, entries, shards, [], job.metadata)
+        part = Part(snapshot_id, job.step, cfg.rank, cfg.world_size, False, self._prev_id, entries, shards, [],
+                    job.metadata, self.run_id)
         return part, data
 
     async def _full_part(self, store: Store, job: _Job, snapshot_id: str) -> Part:
@@ -306,7 +453,8 @@ class Publisher:
             for name, content in sorted(self.files.items()):
                 await store.put(store_keys.file_key(snapshot_id, name), content)
                 files.append(BlobEntry(name, len(content), checksum(content), sha256(content)))
-        return Part(snapshot_id, job.step, cfg.rank, cfg.world_size, True, self._prev_id, entries, [shard_entry], files, job.metadata)
+        return Part(snapshot_id, job.step, cfg.rank, cfg.world_size, True, self._prev_id, entries, [shard_entry], files,
+                    job.metadata, self.run_id)
 
 
 def _layout_of(state: StateDict) -> dict[str, tuple[str, tuple[int, ...]]]:

@@ -80,6 +80,12 @@ class Settings:
     staging_dir: str = _default_staging_dir()
     """Where tensors are staged for engine workers to map (vLLM; tmpfs when available)."""
 
+    freshness_file: str | None = None
+    """File where the server records the run and step of the newest snapshot it verified, so that
+    a restart never goes back to an older snapshot or another run (default:
+    delta-swap-freshness-<store hash>.json in staging_dir; a tmpfs staging dir forgets it at reboot:
+    point this at a persistent disk to keep it)."""
+
     trusted_key: str | None = None
     """Public key file(s) of the publisher, comma-separated (several during a key rotation): only
     snapshots signed by one of them are accepted, checked before anything they name is fetched."""

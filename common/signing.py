@@ -6,6 +6,10 @@ lists every shard and side file with its size and SHA-256, so one verified signa
 authenticates every byte of the snapshot. Readers with trusted public keys verify the signature
 before they parse the manifest or fetch anything it names.
 
+The same keys sign two smaller objects, each under its own context so no signature can be replayed
+as another kind: a multi-rank trainer's parts (``snapshots/<id>/parts/rank-R.sig``, checked by the
+committing rank) and the trainer's heartbeat (:mod:`.heartbeat`).
+
 Key files are PEM: the private key as unencrypted PKCS#8 (written with mode 0600), the public key
 as SubjectPublicKeyInfo in ``KEY.pub``. A key is named by its id, the first 16 hex digits of the
 SHA-256 of its raw public bytes, so several trusted keys (rotation) are told apart.
@@ -25,9 +29,10 @@ from .errors import ConfigError, SignatureError
 
 SIGNATURE_FORMAT = "delta-swap-signature"
 ALGORITHM = "ed25519"
-#: Domain separation: a signature over a manifest can never be replayed as a signature over
-#: anything else delta-swap might sign later.
-_CONTEXT = b"delta-swap/manifest/v1\x00"
+#: Domain separation: a signature over one kind of object can never be replayed as another's.
+MANIFEST_CONTEXT = b"delta-swap/manifest/v1\x00"
+PART_CONTEXT = b"delta-swap/part/v1\x00"
+HEARTBEAT_CONTEXT = b"delta-swap/heartbeat/v1\x00"
 MAX_SIGNATURE_BYTES = 4096
 
 
@@ -57,12 +62,17 @@ class SigningKey:
             raise ConfigError(f"signing key {path} is not an Ed25519 key")
         return cls(private, key_id(_raw_public(private.public_key())))
 
-    def sign(self, manifest_bytes: bytes) -> bytes:
-        """The contents of ``manifest.sig`` for these manifest bytes."""
-        signature = self.private.sign(_CONTEXT + manifest_bytes)  # type: ignore[attr-defined]
+    def sign(self, data: bytes, context: bytes = MANIFEST_CONTEXT) -> bytes:
+        """A signature document (the contents of ``manifest.sig``) over ``data`` in ``context``."""
+        signature = self.private.sign(context + data)  # type: ignore[attr-defined]
         doc = {"format": SIGNATURE_FORMAT, "algorithm": ALGORITHM, "key_id": self.key_id,
                "signature": base64.b64encode(signature).decode()}
         return json.dumps(doc).encode()
+
+    def trusted(self) -> TrustedKeys:
+        """The public half, as the keys a reader trusts (a publisher checks its own objects)."""
+        public = self.private.public_key()  # type: ignore[attr-defined]
+        return TrustedKeys({self.key_id: public})
 
 
 @dataclass(frozen=True)
@@ -90,9 +100,17 @@ class TrustedKeys:
             raise ConfigError("no trusted keys given")
         return cls(keys)
 
+    def __or__(self, other: TrustedKeys) -> TrustedKeys:
+        return TrustedKeys({**self.keys, **other.keys})
+
     def verify(self, manifest_bytes: bytes, signature_doc: bytes, snapshot_id: str) -> str:
         """Return the id of the key that signed ``manifest_bytes``; raise SignatureError unless
         ``signature_doc`` is a valid signature by one of these keys."""
+        return self.verify_object(manifest_bytes, signature_doc, f"snapshot {snapshot_id}", "manifest")
+
+    def verify_object(self, data: bytes, signature_doc: bytes | str, subject: str, noun: str,
+                      context: bytes = MANIFEST_CONTEXT) -> str:
+        """:meth:`verify` for any signed object: ``subject`` and ``noun`` name it in errors."""
         from cryptography.exceptions import InvalidSignature
 
         try:
@@ -101,14 +119,14 @@ class TrustedKeys:
                 raise ValueError("not an Ed25519 delta-swap signature")
             signer, signature = str(doc["key_id"]), base64.b64decode(str(doc["signature"]), validate=True)
         except (ValueError, KeyError, TypeError, RecursionError) as exc:
-            raise SignatureError(f"snapshot {snapshot_id}: malformed signature ({exc})") from None
+            raise SignatureError(f"{subject}: malformed signature ({exc})") from None
         public = self.keys.get(signer)
         if public is None:
-            raise SignatureError(f"snapshot {snapshot_id} is signed by key {signer[:16]!r}, which is not trusted")
+            raise SignatureError(f"{subject} is signed by key {signer[:16]!r}, which is not trusted")
         try:
-            public.verify(signature, _CONTEXT + manifest_bytes)  # type: ignore[attr-defined]
+            public.verify(signature, context + data)  # type: ignore[attr-defined]
         except InvalidSignature:
-            raise SignatureError(f"snapshot {snapshot_id}: the signature does not match the manifest") from None
+            raise SignatureError(f"{subject}: the signature does not match the {noun}") from None
         return signer
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from .manifest import Encoding, check_relative_name, check_snapshot_id
 
 HEAD_KEY = "HEAD"
+#: The trainer's signed heartbeat: its run, newest step and when it last wrote (see heartbeat.py).
+HEARTBEAT_KEY = "heartbeat.json"
 SNAPSHOTS_PREFIX = "snapshots/"
 
 
@@ -33,6 +35,11 @@ def file_key(snapshot_id: str, name: str) -> str:
 def part_key(snapshot_id: str, rank: int) -> str:
     """One rank's contribution to a multi-rank snapshot, merged into the manifest at commit."""
     return snapshot_prefix(snapshot_id) + f"parts/rank-{rank:05d}.json"
+
+
+def part_signature_key(snapshot_id: str, rank: int) -> str:
+    """The rank's signature over its part record (signing trainers; written just before the part)."""
+    return snapshot_prefix(snapshot_id) + f"parts/rank-{rank:05d}.sig"
 
 
 def parts_prefix(snapshot_id: str) -> str:

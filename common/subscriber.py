@@ -8,6 +8,11 @@ target against the served model, fetches and decodes off the event loop while th
 generating, verifies every checksum, and only then hands a :class:`WeightUpdate` to
 :func:`~delta_swap.swap.apply_update`. Any failure leaves the engine on the last good snapshot
 and is reported in :meth:`Subscriber.status`.
+
+It never goes back: a snapshot of another run, or older than the one it serves (or, after a
+restart, than the one it last verified, kept in ``Settings.freshness_file``), is refused unless an
+operator resyncs with ``allow_older``. Each poll also reads the trainer's heartbeat, so a HEAD
+held back by the store shows as staleness (``published_step_seen``, ``trainer_seen_seconds``).
 """
 
 from __future__ import annotations
@@ -16,12 +21,14 @@ import asyncio
 import logging
 import re
 import time
+from pathlib import Path
 from typing import Any
 
-from . import codec
+from . import codec, freshness
 from .chain import ChainReader
 from .engine_adapter import EngineAdapter, WeightUpdate
 from .errors import ChainError, ConfigError, DeltaSwapError, EngineStateUnknownError
+from .heartbeat import Heartbeat, HeartbeatReader
 from .manifest import Encoding, Manifest, SnapshotKind
 from .metrics import failure_kind, subscriber_metrics
 from .rebuild import replay
@@ -68,6 +75,11 @@ class Subscriber:
         self._paused_total = 0.0
         self._failures = 0
         self._metrics = subscriber_metrics()
+        self._seen: freshness.Seen | None = None  # the record of the newest snapshot verified before
+        self._seen_loaded = False
+        self._heartbeats: HeartbeatReader | None = None
+        self._heartbeat: Heartbeat | None = None
+        self._heartbeat_error: str | None = None
 
     @property
     def reader(self) -> ChainReader:
@@ -78,6 +90,15 @@ class Subscriber:
             self._reader = ChainReader(self._store, self._trusted,
                                        expected_tensors=len(self.adapter.served.specs) or None)
         return self._reader
+
+    @property
+    def freshness_file(self) -> Path:
+        """Where this server records the newest snapshot it verified."""
+        if self.settings.freshness_file:
+            return Path(self.settings.freshness_file)
+        store = self._store.url if self._store is not None else self.settings.store
+        assert store
+        return freshness.record_path(self.settings.staging_dir, public_url(store))
 
     @property
     def resync_running(self) -> bool:
@@ -206,11 +227,15 @@ class Subscriber:
     async def _sync(self, force_base: bool, allow_older: bool = False) -> bool:
         self._enter_phase("poll")
         self._sync_since = self._phase_since
+        await self._read_heartbeat()
         head = await self.reader.head()
         if head is None:
             return False
         newest = await self.reader.manifest(head.snapshot_id)
         current = self._current
+        seen = self._floor()
+        if not allow_older and seen is not None and seen.run_id is not None and newest.run_id != seen.run_id:
+            freshness.refuse_going_back(newest, seen, "this server", _OVERRIDE)
         if current is not None and newest.step - current.step > self.settings.max_step_jump:
             raise ChainError(f"newest snapshot {newest.snapshot_id} is {newest.step - current.step} steps ahead of "
                              f"{current.snapshot_id}, more than max_step_jump={self.settings.max_step_jump}")
@@ -220,9 +245,8 @@ class Subscriber:
             return False
         path = await self._plan(newest, force_base)
         target = path[-1]
-        if force_base and current is not None and target.step < current.step and not allow_older:
-            raise ChainError(f"a resync would move the server from step {current.step} back to {target.step} "
-                             "(the newer snapshots cannot be rebuilt); pass allow_older=1 to do it anyway")
+        if not allow_older:
+            freshness.refuse_going_back(target, seen, "this server", _OVERRIDE)
         self.adapter.served.check_fits(target.specs)  # before a byte is fetched
         timings: dict[str, float] = {"fetch": 0.0, "decode": 0.0, "verify": 0.0}
         log.info("delta-swap: updating from %s to %s (%d snapshot(s) to fetch)",
@@ -240,6 +264,7 @@ class Subscriber:
         self._staged_id = target.snapshot_id
         timings.update(await apply_update(self.adapter, update, self.settings, on_phase=self._enter_phase))
         self._state, self._current = state, target
+        self._remember(target)
         self._last_timings = timings
         self._last_path = [m.snapshot_id for m in path]
         self._updates += 1
@@ -251,6 +276,42 @@ class Subscriber:
         log.info("delta-swap: now serving %s (step %d) via the %s path: %s", target.snapshot_id, target.step,
                  await self._swap_path(), ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in timings.items()))
         return True
+
+    def _floor(self) -> freshness.Seen | None:
+        """What this server must not go back from: the snapshot it serves, or after a restart the
+        one it recorded last."""
+        if self._current is not None:
+            return freshness.Seen.of(self._current)
+        if not self._seen_loaded:
+            self._seen, self._seen_loaded = freshness.load_record(self.freshness_file), True
+        return self._seen
+
+    def _remember(self, manifest: Manifest) -> None:
+        """Record ``manifest`` as the newest verified snapshot (logged, never raised, on failure)."""
+        self._seen, self._seen_loaded = freshness.Seen.of(manifest), True
+        try:
+            freshness.save_record(self.freshness_file, self._seen, public_url(self._store.url if self._store else ""))
+        except OSError as exc:
+            log.warning("delta-swap: cannot record the verified step in %s: %s", self.freshness_file, exc)
+
+    async def _read_heartbeat(self) -> None:
+        """Read the trainer's heartbeat; its errors land in the status, never fail the poll."""
+        if self._heartbeats is None:
+            self._heartbeats = HeartbeatReader(self.reader.store, self._trusted)
+        try:
+            beat = await self._heartbeats.read()
+        except (DeltaSwapError, OSError, asyncio.TimeoutError) as exc:
+            self._heartbeat_error = f"{type(exc).__name__}: {self._public_message(exc)}"
+            return
+        self._heartbeat_error = None
+        if beat is None:
+            return
+        seen = self._floor()
+        if seen is not None and seen.run_id is not None and beat.run_id != seen.run_id:
+            self._heartbeat_error = f"the heartbeat names run {beat.run_id}, this server follows run {seen.run_id}"
+            self._heartbeat = None
+        elif self._heartbeat is None or beat.at >= self._heartbeat.at:  # a replayed older one is ignored
+            self._heartbeat = beat
 
     async def _swap_path(self) -> str:
         """The adapter's swap path and why, for the log (``?`` when it cannot say)."""
@@ -312,6 +373,12 @@ class Subscriber:
             "newest_step": newest and newest.step,
             "staleness_steps": self._staleness_steps(),
             "staleness_seconds": round(self._staleness_seconds(), 3),
+            "run_id": cur and cur.run_id,
+            # From the trainer's signed heartbeat: a HEAD held back shows here and in staleness_*.
+            "published_step_seen": self._heartbeat and self._heartbeat.step,
+            "trainer_seen_seconds": self._trainer_seen_seconds(),
+            "heartbeat_expired": self._heartbeat and time.time() > self._heartbeat.expires_at,
+            "heartbeat_error": self._heartbeat_error,
             "staged_snapshot_id": self._staged_id,
             "update_phase": self._phase,
             # How long the sync under way (None when idle) and its current phase have run so far.
@@ -346,13 +413,23 @@ class Subscriber:
     def _staleness_steps(self) -> int | None:
         if self._current is None:
             return None
-        return 0 if self._newest is None else max(0, self._newest.step - self._current.step)
+        newest = max(self._newest.step if self._newest else 0, self._heartbeat.step if self._heartbeat else 0)
+        return max(0, newest - self._current.step)
 
     def _staleness_seconds(self) -> float:
-        newest = self._newest
-        if newest is None or (self._current is not None and newest.step <= self._current.step):
+        """Seconds since the newest snapshot not applied yet was published (per HEAD or heartbeat)."""
+        newest = [(m.step, m.created_at) for m in (self._newest,) if m is not None]
+        newest += [(b.step, b.published_at) for b in (self._heartbeat,) if b is not None]
+        if not newest:
             return 0.0
-        return max(0.0, time.time() - newest.created_at)
+        step, published_at = max(newest)
+        if self._current is not None and step <= self._current.step:
+            return 0.0
+        return max(0.0, time.time() - published_at)
+
+    def _trainer_seen_seconds(self) -> float | None:
+        """Seconds since the trainer wrote the newest heartbeat seen (None: none seen)."""
+        return None if self._heartbeat is None else round(max(0.0, time.time() - self._heartbeat.at), 3)
 
     def _export_metrics(self) -> None:
         m = self._metrics
@@ -362,6 +439,12 @@ class Subscriber:
             m.newest_step.set(self._newest.step)
         m.staleness_steps.set(self._staleness_steps() or 0)
         m.staleness_seconds.set(self._staleness_seconds())
+        if self._heartbeat is not None:
+            m.published_step_seen.set(self._heartbeat.step)
+            m.trainer_seen_seconds.set(self._trainer_seen_seconds() or 0.0)
+
+
+_OVERRIDE = "a resync with allow_older=1 accepts it"
 
 
 def _since(start: float | None) -> float | None:

@@ -9,3 +9,15 @@ import pytest
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1234)
+
+
+@pytest.fixture(autouse=True)
+def _freshness_records_apart(tmp_path_factory, monkeypatch) -> None:
+    """Servers record the newest snapshot they verified beside their staging dir (/dev/shm), one
+    file per store URL; each test keeps those records in a folder of its own, so a rerun of a test
+    (the same S3 prefix) never meets the record of an earlier run."""
+    from delta_swap import freshness
+
+    folder = str(tmp_path_factory.mktemp("freshness"))
+    original = freshness.record_path
+    monkeypatch.setattr(freshness, "record_path", lambda staging_dir, store_url: original(folder, store_url))

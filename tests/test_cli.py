@@ -75,6 +75,41 @@ def test_bad_input_gives_one_line_errors(tmp_path, checkpoints) -> None:
     assert not (tmp_path / "o" / "model.safetensors").exists()
 
 
+def test_publish_leaves_no_process_behind(tmp_path, checkpoints) -> None:
+    """The codec warm-up a publisher starts compiles in a child process: the command waits for it
+    instead of leaving it running, orphaned, after it exits (the child is slowed down here, as a
+    cold compile is, by a sitecustomize that only it runs)."""
+    import os
+    import uuid
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import time\n"
+        "try:\n    cmd = open('/proc/self/cmdline', 'rb').read()\nexcept OSError:\n    cmd = b''\n"
+        "if b'codec.warm_up' in cmd:\n    time.sleep(4)\n")
+    marker = f"leftover-{uuid.uuid4().hex}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+           "DELTA_SWAP_TEST_MARKER": marker}
+    proc = subprocess.run([*CLI, "publish", str(checkpoints[0]), "--store", str(tmp_path / "store"), "--step", "0"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+
+    def left() -> list[str]:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as fh:
+                    if marker.encode() in fh.read():
+                        found.append(pid)
+            except OSError:
+                pass
+        return found
+
+    assert left() == []
+    assert "waiting for the codec's compile" in proc.stderr
+
+
 @pytest.mark.parametrize("cmd", ["publish", "pull", "inspect"])
 def test_every_command_has_help(cmd) -> None:
     assert "--store" in _run(cmd, "--help").stdout

@@ -234,7 +234,8 @@ def _follower(url: str, env: dict, target_step: int, out: str) -> None:
     engine = RecordingAdapter()
 
     async def follow():
-        sub = Subscriber(Settings(store=url, poll_interval=0.1), engine)
+        # A spawned process: the conftest's freshness folder does not reach it.
+        sub = Subscriber(Settings(store=url, poll_interval=0.1, freshness_file=f"{out}.freshness"), engine)
         sub.start()
         for _ in range(600):
             if sub.current is not None and sub.current.step == target_step:

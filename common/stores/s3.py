@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
-from ..errors import NotFoundError, StoreError, TransientError
+from ..errors import DeltaSwapError, NotFoundError, StoreError, TransientError
 from ..retry import RetryPolicy, retry
 from .base import RangedStore, check_key, check_size, public_url
 
@@ -201,7 +201,7 @@ def _code(exc: BaseException) -> str:
 
 def _classify(exc: BaseException, what: str) -> BaseException:
     """Map a botocore/aiohttp exception to NotFoundError, TransientError or StoreError."""
-    if isinstance(exc, (StoreError, asyncio.CancelledError)):
+    if isinstance(exc, (DeltaSwapError, asyncio.CancelledError)):  # ours already (an oversized object: not transient)
         return exc
     code = _code(exc)
     if code in _MISSING_CODES:
