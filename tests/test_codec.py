@@ -406,21 +406,24 @@ print(loaded, after, resident_kb())
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
 def test_server_warm_up_pages_llvm_out_once_the_kernels_are_loaded() -> None:
     """A server's warm-up leaves LLVM's code (~75 MB of libllvmlite.so, needed only to compile or
-    load kernels) out of its memory, and decoding afterwards neither needs it nor changes."""
-    from delta_swap.host_memory import page_out_library
-
-    # MADV_PAGEOUT skips pages that another process maps too: this test process (numba loaded,
-    # kernels compiled) maps the same libllvmlite.so, so it gives its own pages back first
-    page_out_library("llvmlite")
-    done = subprocess.run([sys.executable, "-c", _LLVM_RESIDENT], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    loaded, after, after_decoding = map(int, done.stdout.split()[-3:])
-    assert loaded > 20_000, loaded  # kB: the kernels' load ran LLVM
-    if after >= loaded / 4:  # pages stayed: the host's fault (reported) or the warm-up's (failed)
-        why = pageout.why_pages_stay("llvmlite")
+    load kernels) out of its memory, and decoding afterwards neither needs it nor changes. Where
+    pages stay, the host is probed: a host that cannot page the library out skips with its reason,
+    one that can fails the test (twice in a row: a process mapping it for a moment is no failure)."""
+    for _attempt in range(2):
+        # MADV_PAGEOUT skips pages that another process maps too: this test process (numba loaded,
+        # kernels compiled) maps the same libllvmlite.so, so it gives its own pages back first
+        pageout.page_out_here("llvmlite")
+        done = subprocess.run([sys.executable, "-c", _LLVM_RESIDENT], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        loaded, after, after_decoding = map(int, done.stdout.split()[-3:])
+        assert loaded > 20_000, loaded  # kB: the kernels' load ran LLVM
+        if after < loaded / 4 and after_decoding < loaded / 4:
+            return
+        # pages stayed: the host's fault (skip) or the warm-up's (fail)
+        why = pageout.why_pages_stay("llvmlite", "from delta_swap import codec; codec.warm_up(encoder=False)")
         if why is not None:
             pytest.skip(f"LLVM stayed resident ({after} of {loaded} kB) because {why}")
-    assert after < loaded / 4 and after_decoding < loaded / 4, (loaded, after, after_decoding)
+    pytest.fail(f"the warm-up left LLVM resident ({loaded}, {after}, {after_decoding} kB) on a host that pages it out")
 
 
 def test_numba_cache_falls_back_to_a_temp_folder_when_nothing_else_is_writable(monkeypatch, tmp_path) -> None:
