@@ -17,7 +17,7 @@ from delta_swap.checksum import checksum
 from delta_swap.codec import v1, v2
 from delta_swap.codec.v2 import samples, wire
 from delta_swap.dtypes import DTYPE_SIZES
-from delta_swap.errors import CorruptDataError
+from delta_swap.errors import ConfigError, CorruptDataError
 from tests.support import codec_fixtures, pageout
 
 V1 = codec.CodecConfig(version=1)
@@ -668,7 +668,11 @@ def test_v2_zstd_bomb_plane_is_rejected() -> None:
 def test_header_layout_is_stable() -> None:
     """The wire formats are documented in docs/FORMAT.md; changing one needs a new magic."""
     assert v1._HEADER.size == 24 and v1._SECTION.size == 20
-    assert struct.calcsize("<4sBBBBQQ") == 24
+    # v1: magic, method, transform, width, sections, n (u64), changed (u64); little-endian
+    full = codec.encode_full(np.arange(6, dtype=np.uint8), "BF16", V1)
+    assert full[:24] == b"DSC1" + bytes([v1.METHOD_FULL, v1.TRANSFORM_NONE, 2, 2]) + struct.pack("<QQ", 3, 3)
+    # v2: magic, method, width, flags, then n as a LEB128 varint (300 -> 0xAC 0x02)
+    assert wire.header(v2.METHOD_ULP, 2, 300, v2.FLAG_SIGN_MODEL) == b"DSC2\x01\x02\x01\xac\x02"
     payload = codec.encode_tensor_delta(np.zeros(4, np.uint8), np.array([0, 0, 1, 0], np.uint8), "BF16",
                                         codec.CodecConfig(dense_fraction=2.0))
     assert payload[:7] == b"DSC2" + bytes([v2.METHOD_ULP, 2, 0])
@@ -676,8 +680,19 @@ def test_header_layout_is_stable() -> None:
 
 
 def test_unknown_codec_version_is_a_config_error() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError, match="unknown codec version 3"):
         codec.CodecConfig(version=3)
+
+
+def test_codec_arguments_that_are_not_raw_tensor_bytes_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="1-D uint8"):
+        codec.encode_full(np.zeros(4, np.float32), "F32")
+    with pytest.raises(ConfigError, match="whole number"):
+        codec.encode_full(np.zeros(3, np.uint8), "BF16")
+    with pytest.raises(ConfigError, match="old has 4 bytes"):
+        codec.encode_tensor_delta(np.zeros(4, np.uint8), np.zeros(6, np.uint8), "BF16")
+    with pytest.raises(ConfigError, match="whole number"):
+        codec.encode_full(np.zeros(3, np.uint8), "BF16", V1)
 
 
 # ------------------------------------------------------------------------------ the specification

@@ -20,7 +20,7 @@ from types import ModuleType
 
 import numpy as np
 
-from ..errors import CorruptDataError
+from ..errors import ConfigError, CorruptDataError
 from ..host_memory import page_out_library
 from ..manifest import Encoding
 from . import v1
@@ -46,7 +46,7 @@ class CodecConfig:
 
     def __post_init__(self) -> None:
         if self.version not in _MAGICS.values():
-            raise ValueError(f"unknown codec version {self.version} (known: {sorted(_MAGICS.values())})")
+            raise ConfigError(f"unknown codec version {self.version} (known: {sorted(_MAGICS.values())})")
 
 
 DEFAULT_CONFIG = CodecConfig()

@@ -35,7 +35,7 @@ import numpy as np
 import zstandard
 
 from ..dtypes import ORDERED_FLOAT_DTYPES, dtype_size
-from ..errors import CorruptDataError
+from ..errors import ConfigError, CorruptDataError
 from ..manifest import Encoding
 from .inputs import raw_bytes
 from .zstd_frames import check_frame, decompress_exact
@@ -117,7 +117,7 @@ def encode_full(new: np.ndarray, dtype: str, zstd_level: int = 3) -> bytes:
     new = raw_bytes(new, "new")
     width = dtype_size(dtype)
     if new.size % width:
-        raise ValueError(f"{new.size} bytes is not a whole number of {dtype} elements")
+        raise ConfigError(f"{new.size} bytes is not a whole number of {dtype} elements")
     n = new.size // width
     sections = [_section(KIND_PLANE, j, p, zstd_level) for j, p in enumerate(_planes(_elements(new, width)))]
     header = _HEADER.pack(MAGIC, METHOD_FULL, TRANSFORM_NONE, width, len(sections), n, n)
@@ -137,10 +137,10 @@ def encode_tensor_delta(
         return encode_full(new, dtype, zstd_level)
     old = raw_bytes(old, "old")
     if old.size != new.size:
-        raise ValueError(f"old has {old.size} bytes, new has {new.size}")
+        raise ConfigError(f"old has {old.size} bytes, new has {new.size}")
     width = dtype_size(dtype)
     if new.size % width:
-        raise ValueError(f"{new.size} bytes is not a whole number of {dtype} elements")
+        raise ConfigError(f"{new.size} bytes is not a whole number of {dtype} elements")
     bits = 8 * width
     a, b = _elements(old, width), _elements(new, width)
     n = a.size

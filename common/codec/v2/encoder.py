@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...dtypes import DTYPE_SIZES
+from ...errors import ConfigError
 from ..inputs import raw_bytes
 from . import sign_model
 from .encode_kernels import (
@@ -44,10 +45,10 @@ CLASS_COST = 0.025
 
 def _width(dtype: str, nbytes: int) -> int:
     if dtype not in DTYPE_SIZES:
-        raise ValueError(f"unknown dtype {dtype!r}")
+        raise ConfigError(f"unknown dtype {dtype!r}")
     width = DTYPE_SIZES[dtype]
     if nbytes % width:
-        raise ValueError(f"{nbytes} bytes is not a whole number of {dtype} elements")
+        raise ConfigError(f"{nbytes} bytes is not a whole number of {dtype} elements")
     return width
 
 
@@ -292,7 +293,7 @@ def encode_delta(old: np.ndarray, new: np.ndarray, dtype: str, shape: tuple[int,
     new = raw_bytes(new, "new")
     old = raw_bytes(old, "old")
     if old.size != new.size:
-        raise ValueError(f"old has {old.size} bytes, new has {new.size}")
+        raise ConfigError(f"old has {old.size} bytes, new has {new.size}")
     width = _width(dtype, new.size)
     n = new.size // width
     if dtype in FLOATS:

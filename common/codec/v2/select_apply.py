@@ -31,6 +31,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from ...errors import ConfigError
 from .jit import inline
 from .sign_model import predicted_negative
 
@@ -374,7 +375,7 @@ def apply_bf16(scratch: SelectScratch, out: np.ndarray, row_dead: np.ndarray, ro
     ``table``, ``rc``, ``cc``, ``predict`` and ``pred_len`` are its sign model's (predict 0:
     none; sign_model). Returns codec v2's error code (0: applied)."""
     if out.dtype != np.uint16 or not out.flags.c_contiguous:
-        raise ValueError("apply_bf16 takes the BF16 bits as a contiguous uint16 array")
+        raise ConfigError("apply_bf16 takes the BF16 bits as a contiguous uint16 array")
     while True:
         err = _apply(out, scratch.ebuf, scratch.cbuf, scratch.valid, scratch.er, row_dead, row_len, n_rows, lut,
                      S, D, K, evp, vp, vend, evend, ev, vals, table, rc, cc, predict, pred_len)
