@@ -21,3 +21,13 @@ def _freshness_records_apart(tmp_path_factory, monkeypatch) -> None:
     folder = str(tmp_path_factory.mktemp("freshness"))
     original = freshness.record_path
     monkeypatch.setattr(freshness, "record_path", lambda staging_dir, store_url: original(folder, store_url))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _codec_kernels_compiled() -> None:
+    """Compile (or load from numba's disk cache) codec v2's kernels once per session, before the
+    first test: a cold compile takes minutes on 2 cores and would otherwise land in whichever test
+    decodes first. Servers the tests start load the kernels from the cache this fills."""
+    from delta_swap import codec
+
+    codec.warm_up()

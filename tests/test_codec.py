@@ -24,11 +24,6 @@ V1 = codec.CodecConfig(version=1)
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _compiled() -> None:
-    codec.warm_up()  # compile (or load) the v2 kernels once, outside any test's timing
-
-
 def _pair(rng: np.random.Generator, dtype: str, n: int, density: float, small: bool) -> tuple[np.ndarray, np.ndarray]:
     width = DTYPE_SIZES[dtype]
     old = rng.integers(0, 256, size=n * width, dtype=np.uint8)

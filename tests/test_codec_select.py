@@ -15,11 +15,6 @@ from tests.test_codec import _weights
 needs_select = pytest.mark.skipif(not select_apply.AVAILABLE, reason="this host applies BF16 payloads with the walk")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _compiled() -> None:
-    codec.warm_up()
-
-
 def _decode(old: np.ndarray, payload: bytes, select: bool, monkeypatch) -> np.ndarray | None:
     """The decoded tensor, or None when the payload is rejected."""
     monkeypatch.setattr(select_apply, "AVAILABLE", select)

@@ -154,7 +154,6 @@ def v2_payloads() -> list[tuple[np.ndarray, bytes, str]]:
     signs."""
     import torch
 
-    codec.warm_up()
     rng = np.random.default_rng(11)
     out = []
     for dtype, shape, frac, max_step in (("BF16", (32, 512), 0.03, 1), ("BF16", (16, 512), 0.4, 3000),
