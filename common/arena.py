@@ -104,11 +104,11 @@ class ArenaLayout:
             if slot is None or p.dtype != slot.dtype or p.offset < 0 or p.offset + p.nbytes > slot.nbytes:
                 raise CorruptDataError(f"arena layout places {name} outside slot {p.slot}")
             spans.setdefault(p.slot, []).append((p.offset, p.offset + p.nbytes, name))
-        for slot, ranges in spans.items():
+        for slot_name, ranges in spans.items():
             ranges.sort()
             for (_, end, first), (start, _, second) in zip(ranges, ranges[1:]):
                 if start < end:
-                    raise CorruptDataError(f"arena layout overlaps {first} and {second} in {slot}")
+                    raise CorruptDataError(f"arena layout overlaps {first} and {second} in {slot_name}")
 
     def to_json(self) -> str:
         return json.dumps({"slots": [[s.name, s.dtype, list(s.shape)] for s in self.slots],

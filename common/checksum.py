@@ -4,20 +4,24 @@
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING
 
 import xxhash
 
 from .errors import ChecksumMismatchError
 
+if TYPE_CHECKING:
+    import numpy as np
+
 ALGORITHM = "xxh3_128"
 
 
-def checksum(data: bytes | bytearray | memoryview) -> str:
+def checksum(data: bytes | bytearray | memoryview | np.ndarray) -> str:
     """``"xxh3_128:<hex>"`` of ``data`` (any buffer, including numpy arrays)."""
-    return f"{ALGORITHM}:{xxhash.xxh3_128_hexdigest(data)}"
+    return f"{ALGORITHM}:{xxhash.xxh3_128_hexdigest(data)}"  # type: ignore[arg-type]  # numpy types ndarray a Buffer on 3.12+ only
 
 
-def verify(data: bytes | bytearray | memoryview, expected: str, what: str) -> None:
+def verify(data: bytes | bytearray | memoryview | np.ndarray, expected: str, what: str) -> None:
     """Raise ChecksumMismatchError if ``data`` does not hash to ``expected``."""
     _check(checksum(data), expected, what)
 

@@ -116,7 +116,7 @@ class EngineAdapter(ABC):
     async def close(self) -> None:
         """Release what the adapter holds (arenas, files) when the server stops."""
 
-    def engine_error(self, exc: Exception) -> EngineError:
+    def engine_error(self, exc: BaseException) -> EngineError:
         """Translate one of the engine's exceptions into delta-swap's error type (override to
         keep the engine's message in a better shape)."""
         return EngineError(f"{self.name}: {type(exc).__name__}: {exc}")

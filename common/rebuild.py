@@ -129,8 +129,11 @@ def rebuild_tensor(manifest: Manifest, t: TensorEntry, payload: np.ndarray | Non
             raise CorruptDataError("marked delta but is not")
         if dest is None:
             return HostTensor(t.dtype, t.shape, codec.decode(old.data if old else None, payload, t.dtype, t.nbytes))
-        if method is Encoding.DELTA and not np.shares_memory(dest.data, old.data):
-            dest.data[:] = old.data
+        if method is Encoding.DELTA:
+            if old is None:
+                raise CorruptDataError("delta payload but no previous tensor to apply it to")
+            if not np.shares_memory(dest.data, old.data):
+                dest.data[:] = old.data
         codec.decode_into(dest.data, payload, t.dtype)
         return dest
     except CorruptDataError as exc:
@@ -262,9 +265,9 @@ class _Spool:
             self._file.write(self._memory)
             self._memory = bytearray()
         if self._file is not None:
-            self._file.write(memoryview(data))
+            self._file.write(memoryview(data))  # type: ignore[arg-type]  # numpy types ndarray a Buffer on 3.12+ only
         else:
-            self._memory.extend(memoryview(data))
+            self._memory.extend(memoryview(data))  # type: ignore[arg-type]  # numpy types ndarray a Buffer on 3.12+ only
         self.size += len(data)
 
     def view(self) -> np.ndarray:

@@ -46,7 +46,7 @@ def write_safetensors(fh: BinaryIO, tensors: Iterable[tuple[str, HostTensor]], m
     header, locations = build_header(items, metadata)
     fh.write(header)
     for _, t in items:
-        fh.write(memoryview(t.data))
+        fh.write(memoryview(t.data))  # type: ignore[arg-type]  # numpy types ndarray a Buffer on 3.12+ only
     return locations
 
 
@@ -88,5 +88,5 @@ def parse_header(prefix: bytes | memoryview, file_size: int) -> dict[str, tuple[
 def read_safetensors(data: bytes | memoryview | np.ndarray) -> dict[str, HostTensor]:
     """Parse a whole safetensors file held in memory (tensors view ``data``; no copy)."""
     buf = np.frombuffer(data, dtype=np.uint8)
-    entries = parse_header(memoryview(buf), buf.size)
+    entries = parse_header(memoryview(buf), buf.size)  # type: ignore[arg-type]  # numpy types ndarray a Buffer on 3.12+ only
     return {name: HostTensor(dt, shape, buf[off : off + ln]) for name, (dt, shape, off, ln) in entries.items()}

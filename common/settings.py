@@ -181,7 +181,7 @@ class Settings:
         if any(cls.flag_name("store") in a.option_strings for a in parser._actions):
             return
         group = parser.add_argument_group("delta-swap", "Follow a delta-swap store and hot-swap each new snapshot.")
-        docs = field_docs(cls)
+        docs = field_docs(cls)  # type: ignore[arg-type]  # a class is hashable (mypy checks the instances' __hash__)
         for f in fields(cls):
             kind = _converter(str(f.type))
             extra: dict[str, Any] = {}
@@ -199,8 +199,9 @@ def _shown(default: Any) -> str:
 
 def _converter(annotation: str) -> Callable[[Any], Any]:
     base = annotation.replace(" | None", "").replace("None | ", "")
-    return {"str": str, "float": float, "int": int, "bool": _boolean, "DrainPolicy": DrainPolicy,
-            "SwapPath": SwapPath}[base]
+    converters: dict[str, Callable[[Any], Any]] = {"str": str, "float": float, "int": int, "bool": _boolean,
+                                                   "DrainPolicy": DrainPolicy, "SwapPath": SwapPath}
+    return converters[base]
 
 
 def _boolean(value: Any) -> bool:

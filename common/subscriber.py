@@ -336,7 +336,7 @@ class Subscriber:
     async def _plan(self, newest: Manifest, force_base: bool) -> list[Manifest]:
         """Snapshots to apply, oldest first, ending at the newest reachable one."""
         current = None if force_base else self._current
-        current_id = current and current.snapshot_id
+        current_id = current.snapshot_id if current is not None else None
         candidates = [newest]
         last_error: ChainError | None = None
         while candidates:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 from .checkpoint_dir import read_checkpoint_dir
 from .engine_adapter import EngineAdapter, WeightUpdate
@@ -20,6 +21,7 @@ from .errors import DeltaSwapError, EngineError, EngineStateUnknownError
 from .settings import Settings
 from .tensors import specs_of
 
+T = TypeVar("T")
 log = logging.getLogger("delta_swap.swap")
 
 
@@ -75,10 +77,10 @@ async def apply_update(adapter: EngineAdapter, update: WeightUpdate, settings: S
     return timings
 
 
-async def _engine_call(adapter: EngineAdapter, call: object) -> object:
+async def _engine_call(adapter: EngineAdapter, call: Awaitable[T]) -> T:
     """Await an adapter call, translating the engine's own exceptions."""
     try:
-        return await call  # type: ignore[misc]
+        return await call
     except (DeltaSwapError, asyncio.CancelledError):
         raise
     except Exception as exc:
@@ -93,7 +95,8 @@ async def _rollback(adapter: EngineAdapter, failed: WeightUpdate, version: str |
         # First sync: the tensors the server started with, memory-mapped from its checkpoint.
         if adapter.served.checkpoint_dir is None:
             raise EngineError("the swap failed and the served checkpoint is unknown: cannot restore the previous weights")
-        previous, _ = await asyncio.to_thread(read_checkpoint_dir, adapter.served.checkpoint_dir)
+        checkpoint, _ = await asyncio.to_thread(read_checkpoint_dir, adapter.served.checkpoint_dir)
+        previous = checkpoint
     back = WeightUpdate(version=version, state=previous, names=tuple(n for n in failed.names if n in previous),
                         previous=failed.state)
     staged = await _engine_call(adapter, adapter.stage(back))
@@ -103,8 +106,8 @@ async def _rollback(adapter: EngineAdapter, failed: WeightUpdate, version: str |
         await _quietly(adapter.unstage(staged), "unstage")
 
 
-async def _quietly(call: object, what: str) -> None:
+async def _quietly(call: Awaitable[object], what: str) -> None:
     try:
-        await call  # type: ignore[misc]
+        await call
     except Exception:
         log.exception("delta-swap: %s failed", what)

@@ -60,7 +60,7 @@ def _describe(scheduler: Any, server_args: Any) -> tuple[Any, str]:
         return None, "tensor parallelism: every rank holds its own shard"
     model = scheduler.tp_worker.model_runner.model
     served = ServedModel.from_checkpoint(server_args.model_path)
-    if not served.specs:
+    if not served.specs or served.checkpoint_dir is None:
         return None, "the served checkpoint is not a local folder"
     params = dict(model.named_parameters())
     packed = dict(getattr(model, "packed_modules_mapping", None) or DEFAULT_PACKED)
@@ -83,7 +83,7 @@ def run(model: Any, named_tensors: list[tuple[str, Any]]) -> None:
             raise ValueError(f"unknown operation {op.get('op')!r}")
         started = time.perf_counter()
         _commit(model, str(op["path"]))
-        outcome = {"ok": True, "seconds": time.perf_counter() - started}
+        outcome: dict[str, Any] = {"ok": True, "seconds": time.perf_counter() - started}
     except Exception as exc:  # an exception here would end the whole server
         log.error("delta_swap: %s", traceback.format_exc())
         outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}

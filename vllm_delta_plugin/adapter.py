@@ -242,7 +242,7 @@ class VllmAdapter(EngineAdapter):
         finally:
             Path(output).unlink(missing_ok=True)
 
-    def engine_error(self, exc: Exception) -> EngineError:
+    def engine_error(self, exc: BaseException) -> EngineError:
         """vLLM wraps a worker's exception in two layers of text; keep the worker's own message."""
         text = str(exc)
         inner = re.search(r"Worker failed with error '(.*)', please check", text, re.S)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 #: The name of the weight-transfer backend (``--weight-transfer-config '{"backend": "delta_swap"}'``).
 BACKEND_NAME = "delta_swap"
@@ -44,7 +45,7 @@ def keep_plain_cpu_weights() -> None:
         return
     original = utils.dispatch_cpu_unquantized_gemm
 
-    def dispatch_plain(layer, remove_weight: bool) -> None:  # type: ignore[no-untyped-def]
+    def dispatch_plain(layer: Any, remove_weight: bool) -> None:
         weight = getattr(layer, "weight", None)
         if weight is None or weight.is_meta or weight.ndim != 2:
             original(layer, remove_weight)

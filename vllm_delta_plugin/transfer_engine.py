@@ -80,7 +80,7 @@ def _read_tensors(path: str, wanted: set[str]) -> list[tuple[str, torch.Tensor]]
     from safetensors import safe_open
 
     files = sorted(Path(path).glob("*.safetensors")) if os.path.isdir(path) else [Path(path)]
-    out = []
+    out: list[tuple[str, torch.Tensor]] = []
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             out.extend((name, f.get_tensor(name)) for name in f.keys() if not wanted or name in wanted)
@@ -165,8 +165,9 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             if not self._active:
                 initialize_layerwise_reload(self.model)
                 self._active = True
+            load_weights: Any = self.model.load_weights  # a vLLM model's; torch types it Tensor | Module
             try:
-                self.model.load_weights(iter(weights))
+                load_weights(iter(weights))
             except BaseException:
                 self._finalize()  # untouched layers keep their weights
                 raise

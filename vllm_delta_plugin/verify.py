@@ -19,6 +19,7 @@ A mismatch raises :class:`~delta_swap.errors.ChecksumMismatchError` naming the t
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -50,7 +51,7 @@ def verify_modules(model: torch.nn.Module, published: Mapping[str, torch.Tensor]
     for path in extra:  # e.g. a tied lm_head: it must compute with the embedding just loaded
         module = modules.get(path)
         source = _shared_source(module, modules, by_module) if module is not None else None
-        if source is not None:
+        if module is not None and source is not None:
             checks += _probe_linear(path, module, [_weight_of(source[1])], f"{path}.weight (tied to {source[0]})")
     return checks
 
@@ -108,7 +109,8 @@ def _probe_linear(path: str, module: torch.nn.Module, parts: Sequence[torch.Tens
     for r, j in enumerate(picks):
         probe[r, j] = 1
     with torch.inference_mode():
-        out = module.quant_method.apply(module, probe)
+        method: Any = module.quant_method  # torch types a submodule attribute as Tensor | Module
+        out = method.apply(module, probe)
     if out.shape[-1] < rows:
         raise ChecksumMismatchError(f"{name}: {path} computes {out.shape[-1]} outputs, the checkpoint has {rows}")
     expected = torch.cat([t[:, picks] for t in parts]).t()
@@ -121,8 +123,8 @@ def _verify_experts(path: str, module: torch.nn.Module, tensors: Mapping[str, to
     engine's copy of that expert."""
     experts: dict[int, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors.items():
-        index, proj = name.split(".experts.", 1)[1].split(".")[:2]
-        experts.setdefault(int(index), {})[proj] = tensor
+        number, proj = name.split(".experts.", 1)[1].split(".")[:2]
+        experts.setdefault(int(number), {})[proj] = tensor
     index = sorted(experts)[len(experts) // 2]
     parts = experts[index]
     if not {"gate_proj", "up_proj", "down_proj"} <= parts.keys():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import re
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from urllib.parse import urlsplit, urlunsplit
 
 import xxhash
@@ -106,7 +106,7 @@ class Store(ABC):
         NotImplementedError."""
         raise NotImplementedError(f"{type(self).__name__} has no conditional writes")
 
-    async def read_pieces(self, key: str, size: int, piece_bytes: int) -> AsyncIterator[bytes]:
+    async def read_pieces(self, key: str, size: int, piece_bytes: int) -> AsyncGenerator[bytes, None]:
         """Bytes ``[0, size)`` of ``key`` in consecutive pieces of ``piece_bytes`` (the last one
         shorter), each read when the caller asks for it: a large object never sits whole in memory.
         Backends whose servers may ignore ranges override this to read such an object once."""

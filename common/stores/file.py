@@ -9,6 +9,7 @@ an exclusive ``flock`` on a lock file in the root while they compare and replace
 from __future__ import annotations
 
 import asyncio
+import builtins
 import fcntl
 import os
 import stat
@@ -110,7 +111,7 @@ class FileStore(Store):
     async def list(self, prefix: str) -> list[str]:
         return await asyncio.to_thread(self._list, prefix)
 
-    def _list(self, prefix: str) -> list[str]:
+    def _list(self, prefix: str) -> builtins.list[str]:  # `list` names the method above in this class
         folder = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         base = self.root / folder
         if not base.is_dir():

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -167,7 +167,7 @@ class HttpStore(RangedStore):
                 self._ranges_ignored = True
         return await self._get_stream(key, begin, end, max_bytes)
 
-    async def read_pieces(self, key: str, size: int, piece_bytes: int) -> AsyncIterator[bytes]:
+    async def read_pieces(self, key: str, size: int, piece_bytes: int) -> AsyncGenerator[bytes, None]:
         """Ranged pieces while the server honours Range; once it is seen to ignore it, the rest of
         the object comes from one streamed request (not one whole download per piece)."""
         start = 0

@@ -151,7 +151,10 @@ class EngineExactnessTests:
             checkpoint = self.perturb(chain.checkpoints[-1], chain.workdir / f"step-{step}", only, seed=step)
             chain.checkpoints.append(checkpoint)
             self.publish(chain.store, step, checkpoint)
-            st = wait_for(chain.server.url, lambda s, n=step: s["current_step"] == n or s["failures"] > 0, 300)
+            def reached(s: dict[str, Any], n: int = step) -> bool:
+                return bool(s["current_step"] == n or s["failures"] > 0)
+
+            st = wait_for(chain.server.url, reached, 300)
             assert st["current_step"] == step and st["last_error"] is None, (what, st)
             verification = st.get("last_verification")
             if st["swap_path"] == "reload" and verification is not None and not verification.get("skipped"):
