@@ -16,8 +16,9 @@ import pytest
 
 from benchmarks import fleet
 
-pytestmark = pytest.mark.skipif(shutil.which("nginx") is None,
-                                reason="nginx is missing (scripts/test.sh installs it with apt)")
+pytestmark = [pytest.mark.engine,
+              pytest.mark.skipif(shutil.which("nginx") is None,
+                                 reason="nginx is missing (scripts/test.sh installs it with apt)")]
 
 
 @pytest.fixture(scope="module")

@@ -92,19 +92,19 @@ def test_head_and_part_parsers(doc) -> None:
 
 @FUZZ
 @given(data=st.binary(max_size=600))
-def test_safetensors_header_parser(data) -> None:
+def test_random_safetensors_files_parse_or_raise_corrupt_data(data) -> None:
     _parses_or_corrupt(read_safetensors, data)
 
 
 @FUZZ
 @given(doc=json_values)
-def test_signature_parser(tmp_path_factory, doc) -> None:
-    keys = getattr(test_signature_parser, "_keys", None)
+def test_random_signature_documents_verify_or_raise_corrupt_data(tmp_path_factory, doc) -> None:
+    keys = getattr(test_random_signature_documents_verify_or_raise_corrupt_data, "_keys", None)
     if keys is None:
         from delta_swap.signing import generate_keypair
 
         _, pub = generate_keypair(tmp_path_factory.mktemp("fuzzkey") / "k")
-        keys = test_signature_parser._keys = TrustedKeys.load([pub])
+        keys = test_random_signature_documents_verify_or_raise_corrupt_data._keys = TrustedKeys.load([pub])
     _parses_or_corrupt(lambda d: keys.verify(b"manifest", d, "s"), json.dumps(doc, allow_nan=True).encode())
 
 

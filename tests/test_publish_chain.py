@@ -133,7 +133,7 @@ def test_errors_surface_instead_of_being_swallowed(tmp_path) -> None:
         Publisher(str(tmp_path), PublisherConfig(rank=2, world_size=2))
 
 
-def test_steps_must_increase(tmp_path) -> None:
+def test_publishing_a_step_not_after_the_last_is_a_config_error(tmp_path) -> None:
     with Publisher(str(tmp_path)) as pub:
         pub.publish(5, rl_steps(1)[0])
         with pytest.raises(ConfigError, match="not after"):

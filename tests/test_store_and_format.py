@@ -37,7 +37,7 @@ async def test_keys_that_could_escape_the_root_are_refused(tmp_path, key) -> Non
         await store.get(key)
 
 
-def test_missing_store_and_unknown_scheme(tmp_path) -> None:
+def test_a_missing_folder_is_not_found_and_an_unknown_scheme_a_store_error(tmp_path) -> None:
     with pytest.raises(NotFoundError):
         open_store(str(tmp_path / "missing"))
     with pytest.raises(StoreError, match="unsupported store URL"):

@@ -19,7 +19,7 @@ def steady(log: TokenLog, start: float, end: float, per_s: int) -> list[tuple[fl
     return arrivals
 
 
-def test_finish_reasons() -> None:
+def test_length_stop_and_unfinished_requests_end_normally_aborts_and_errors_do_not() -> None:
     assert ended_normally("length") and ended_normally("stop")
     assert ended_normally(None)  # cut off when the load stopped: its tokens were not thrown away
     assert not ended_normally("abort") and not ended_normally("error: APIError")
@@ -50,7 +50,7 @@ def test_local_loss_is_the_generation_time_an_update_took() -> None:
     assert math.isnan(local_loss(TokenLog(), released, served))  # no speed to compare against
 
 
-def test_rows_measured_before_useful_tokens_were_recorded() -> None:
+def test_rows_from_before_useful_tokens_use_retained_when_nothing_aborted_else_nan() -> None:
     assert retained_useful({"retained": 0.9, "aborted": 3, "retained_useful": 0.1}) == 0.1
     assert retained_useful({"retained": 0.9, "aborted": 0}) == 0.9  # nothing aborted: all useful
     assert math.isnan(retained_useful({"retained": 0.9, "aborted": 3}))
