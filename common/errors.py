@@ -7,6 +7,7 @@
     ├── CorruptDataError              a payload, shard, manifest or HEAD is malformed or inconsistent
     │   ├── ChecksumMismatchError     bytes differ from the checksum the publisher recorded
     │   ├── FormatVersionError        a format version this build cannot read
+    │   ├── ObjectTooLargeError       an object (or a server's answer) is larger than the reader allows
     │   └── SignatureError            a snapshot is unsigned, or not signed by a trusted key
     ├── ChainError                    snapshots do not link up (missing, out of order, foreign)
     │   └── RollbackError             an older snapshot, or another run's, than one verified before
@@ -45,6 +46,10 @@ class ChecksumMismatchError(CorruptDataError):
 
 class FormatVersionError(CorruptDataError):
     """A manifest uses a format version this build cannot read."""
+
+
+class ObjectTooLargeError(CorruptDataError):
+    """An object (or a server's answer) is larger than the reader allows."""
 
 
 class SignatureError(CorruptDataError):

@@ -14,13 +14,12 @@ import torch
 import xxhash
 
 from delta_swap.chain import ChainReader
-from delta_swap.errors import NotFoundError, StoreError
+from delta_swap.errors import NotFoundError, ObjectTooLargeError, StoreError
 from delta_swap.publisher import Publisher, PublisherConfig
 from delta_swap.rebuild import rebuild
 from delta_swap.retry import RetryPolicy
 from delta_swap.settings import Settings
 from delta_swap.stores import open_store
-from delta_swap.stores.base import ObjectTooLargeError
 from delta_swap.stores.http import HttpConfig, HttpStore
 from delta_swap.stores.s3 import S3Config, S3Store
 from delta_swap.subscriber import Subscriber

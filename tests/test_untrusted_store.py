@@ -11,13 +11,12 @@ import pytest
 
 from delta_swap import store_keys
 from delta_swap.chain import ChainReader, decode_head
-from delta_swap.errors import ChainError, CorruptDataError, StoreError
+from delta_swap.errors import ChainError, CorruptDataError, ObjectTooLargeError, StoreError
 from delta_swap.manifest import Manifest, check_relative_name, check_snapshot_id
 from delta_swap.publisher import Publisher, PublisherConfig
 from delta_swap.rebuild import rebuild
 from delta_swap.settings import Settings
 from delta_swap.stores import FileStore
-from delta_swap.stores.base import ObjectTooLargeError
 from delta_swap.subscriber import Subscriber
 from delta_swap.testing import RecordingAdapter
 from tests.support.chains import assert_state_equal, rl_steps

@@ -18,13 +18,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 import xxhash
 
-from ..errors import CorruptDataError, NotFoundError, StoreError, TransientError
+from ..errors import NotFoundError, ObjectTooLargeError, StoreError, TransientError
 
 _KEY_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*(/[A-Za-z0-9_][A-Za-z0-9._-]*)*")
-
-
-class ObjectTooLargeError(CorruptDataError):
-    """An object (or a server's answer) is larger than the reader allows."""
 
 
 def check_key(key: str) -> str:
