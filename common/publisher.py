@@ -59,11 +59,11 @@ from .manifest import (
 from .rebuild import rebuild
 from .retention import prune
 from .safetensors_io import write_safetensors
+from .shard_format import DELTA_SHARD_MAGIC
 from .signing import SigningKey, TrustedKeys, split_paths
 from .stores import Store, open_store
 from .tensors import StateDict, state_to_host
 
-DELTA_SHARD_MAGIC = b"DSWPSHD1"
 log = logging.getLogger("delta_swap.publisher")
 #: Snapshots read, newest first, to find the run of a store whose HEAD is unusable.
 RUN_SEARCH_LIMIT = 64

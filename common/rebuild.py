@@ -9,6 +9,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -18,18 +19,36 @@ from .chain import ChainReader
 from .checksum import BlobDigest, checksum, verify_blob
 from .errors import ChainError, ChecksumMismatchError, CorruptDataError, IncompatibleSnapshotError, NotFoundError
 from .manifest import BlobEntry, Encoding, Manifest, SnapshotKind, TensorEntry
+from .shard_format import DELTA_SHARD_MAGIC, check_delta_shard, is_delta_shard
 from .stores import Store
 from .tensors import HostTensor, StateDict
 
 Progress = Callable[[int], None]
 
 
-async def fetch_shards(store: Store, manifest: Manifest, *, concurrency: int = 4, progress: Progress | None = None,
+@dataclass
+class Meter:
+    """What rebuilding reports as it goes: wall-clock seconds per phase (``fetch``, ``decode``,
+    ``verify``) added up in ``seconds``, and the bytes fetched passed to ``progress`` as they arrive."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    progress: Progress | None = None
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+
+    def fetched(self, nbytes: int) -> None:
+        if self.progress:
+            self.progress(nbytes)
+
+
+async def fetch_shards(store: Store, manifest: Manifest, *, concurrency: int = 4, meter: Meter | None = None,
                        authenticated: bool = False) -> dict[str, np.ndarray]:
     """Download a snapshot's shards concurrently (never more bytes than the manifest lists) and
     verify each one's size and checksum, and its SHA-256 when ``authenticated`` (the manifest's
-    signature was verified)."""
+    signature was verified), then a delta shard's magic."""
     sem = asyncio.Semaphore(concurrency)
+    meter = meter or Meter()
 
     async def one(shard: BlobEntry) -> tuple[str, np.ndarray]:
         what = f"shard {shard.name} of {manifest.snapshot_id}"
@@ -38,8 +57,9 @@ async def fetch_shards(store: Store, manifest: Manifest, *, concurrency: int = 4
         if len(data) != shard.size:
             raise CorruptDataError(f"{what} has {len(data)} bytes, expected {shard.size}")
         await asyncio.to_thread(verify_blob, data, shard.checksum, shard.sha256 if authenticated else None, what)
-        if progress:
-            progress(shard.size)
+        if is_delta_shard(shard.name):
+            check_delta_shard(data, what)
+        meter.fetched(shard.size)
         return shard.name, np.frombuffer(data, dtype=np.uint8)
 
     results = await asyncio.gather(*(one(s) for s in manifest.shards))
@@ -58,7 +78,7 @@ def apply_snapshot(
     prev: StateDict | None,
     manifest: Manifest,
     shards: dict[str, np.ndarray],
-    timings: dict[str, float] | None = None,
+    meter: Meter | None = None,
     *,
     out: StateDict | None = None,
     threads: int | None = None,
@@ -71,10 +91,10 @@ def apply_snapshot(
     weight arena; it may be ``prev`` itself, and deltas then apply in place) every tensor is
     written into ``out`` and only ``out`` is modified; a failure leaves it partly written.
 
-    Tensors are decoded, then verified, on ``threads`` threads (default: every core). Wall-clock
-    seconds are added to ``timings["decode"]`` and ``["verify"]``.
+    Tensors are decoded, then verified, on ``threads`` threads (default: every core); the
+    seconds of each are added to ``meter``.
     """
-    timings = {} if timings is None else timings
+    meter = meter or Meter()
     check_applicable(prev, manifest, out)
 
     def rebuild_one(t: TensorEntry) -> HostTensor:
@@ -87,8 +107,8 @@ def apply_snapshot(
         t1 = time.perf_counter()
         list(pool.map(lambda item: verify_tensor(manifest, *item), zip(manifest.tensors, rebuilt)))
         t2 = time.perf_counter()
-    timings["decode"] = timings.get("decode", 0.0) + t1 - t0
-    timings["verify"] = timings.get("verify", 0.0) + t2 - t1
+    meter.add("decode", t1 - t0)
+    meter.add("verify", t2 - t1)
     return {t.name: tensor for t, tensor in zip(manifest.tensors, rebuilt)}
 
 
@@ -165,8 +185,7 @@ async def stream_snapshot(
     *,
     authenticated: bool = False,
     piece_bytes: int | None = None,
-    progress: Progress | None = None,
-    timings: dict[str, float] | None = None,
+    meter: Meter | None = None,
     threads: int | None = None,
 ) -> StateDict:
     """:func:`apply_snapshot` into ``out`` with every shard fetched in pieces of ``piece_bytes``
@@ -178,8 +197,9 @@ async def stream_snapshot(
     gathered (beyond :data:`SPOOL_MEMORY_BYTES`, in a temporary file) and handed to the codec only
     once the whole shard matched its digests. Host memory beyond ``out`` is two pieces and the
     spool's memory part, not the snapshot. Every tensor's checksum is checked once all are
-    written; as with ``out`` in :func:`apply_snapshot`, a failure leaves ``out`` partly written."""
-    timings = {} if timings is None else timings
+    written; as with ``out`` in :func:`apply_snapshot`, a failure leaves ``out`` partly written.
+    Seconds and fetched bytes are reported to ``meter``."""
+    meter = meter or Meter()
     piece_bytes = piece_bytes or STREAM_PIECE_BYTES
     check_applicable(prev, manifest, out)
     rebuilt: dict[str, HostTensor] = {}
@@ -187,7 +207,7 @@ async def stream_snapshot(
         for shard in manifest.shards:
             tensors = sorted((t for t in manifest.tensors if t.shard == shard.name), key=lambda t: t.offset)
             with _ShardWriter(manifest, shard, tensors, prev, out, pool, authenticated, rebuilt) as writer:
-                await _stream_shard(store, manifest, shard, writer, piece_bytes, progress, timings)
+                await _stream_shard(store, manifest, shard, writer, piece_bytes, meter)
         t0 = time.perf_counter()
         for t in manifest.tensors:
             if t.shard is None:
@@ -196,13 +216,13 @@ async def stream_snapshot(
         await asyncio.to_thread(lambda: list(pool.map(lambda t: verify_tensor(manifest, t, rebuilt[t.name]),
                                                       manifest.tensors)))
         t2 = time.perf_counter()
-    timings["decode"] = timings.get("decode", 0.0) + t1 - t0
-    timings["verify"] = timings.get("verify", 0.0) + t2 - t1
+    meter.add("decode", t1 - t0)
+    meter.add("verify", t2 - t1)
     return {t.name: rebuilt[t.name] for t in manifest.tensors}
 
 
 async def _stream_shard(store: Store, manifest: Manifest, shard: BlobEntry, writer: _ShardWriter, piece_bytes: int,
-                        progress: Progress | None, timings: dict[str, float]) -> None:
+                        meter: Meter) -> None:
     key = store_keys.shard_key(manifest.snapshot_id, shard.name)
     what = f"shard {shard.name} of {manifest.snapshot_id}"
     size = await store.size(key)
@@ -226,10 +246,9 @@ async def _stream_shard(store: Store, manifest: Manifest, shard: BlobEntry, writ
             ahead = asyncio.ensure_future(anext(pieces, None)) if end < shard.size else None
             t1 = time.perf_counter()
             await asyncio.to_thread(writer.add, start, data)
-            timings["fetch"] = timings.get("fetch", 0.0) + t1 - t0
-            timings["decode"] = timings.get("decode", 0.0) + time.perf_counter() - t1
-            if progress:
-                progress(len(data))
+            meter.add("fetch", t1 - t0)
+            meter.add("decode", time.perf_counter() - t1)
+            meter.fetched(len(data))
             start = end
             if ahead is None:
                 break
@@ -245,7 +264,7 @@ async def _stream_shard(store: Store, manifest: Manifest, shard: BlobEntry, writ
         await pieces.aclose()
     t0 = time.perf_counter()
     await asyncio.to_thread(writer.finish, what)  # verify the whole shard, then decode
-    timings["decode"] = timings.get("decode", 0.0) + time.perf_counter() - t0
+    meter.add("decode", time.perf_counter() - t0)
 
 
 class _Spool:
@@ -305,6 +324,7 @@ class _ShardWriter:
         self.next = 0  # the first tensor not yet complete (tensors are sorted by offset, ranges disjoint)
         self.spool = _Spool(SPOOL_MEMORY_BYTES)
         self.spooled: dict[str, int] = {}  # encoded tensor -> where its payload starts in the spool
+        self.head = b""  # the shard's first bytes: a delta shard's magic
 
     def __enter__(self) -> _ShardWriter:
         return self
@@ -315,6 +335,8 @@ class _ShardWriter:
     def add(self, start: int, data: bytes) -> None:
         end = start + len(data)
         self.digest.update(data)
+        if start < len(DELTA_SHARD_MAGIC):
+            self.head += bytes(data[: len(DELTA_SHARD_MAGIC) - start])
         view = np.frombuffer(data, dtype=np.uint8)
         i = self.next
         while i < len(self.tensors):
@@ -336,6 +358,8 @@ class _ShardWriter:
             if t.offset + t.length > self.shard.size:
                 raise CorruptDataError(f"{what} ends before tensor {t.name}")
         self.digest.verify(self.shard.checksum, self.shard.sha256 if self.authenticated else None, what)
+        if is_delta_shard(self.shard.name):
+            check_delta_shard(self.head, what)
         payloads = self.spool.view()  # verified: now, and only now, the codec may read it
         encoded = []
         for t in self.tensors:
@@ -363,7 +387,7 @@ async def rebuild(
     if target is None:
         raise ChainError(f"store {store.public_url} has no snapshots")
     path = await reader.path_to(target)
-    state = await replay(reader, path, None, progress=progress, max_model_bytes=max_model_bytes)
+    state = await replay(reader, path, None, meter=Meter(progress=progress), max_model_bytes=max_model_bytes)
     return path[-1], state, path
 
 
@@ -373,16 +397,16 @@ async def replay(
     state: StateDict | None,
     *,
     concurrency: int = 4,
-    timings: dict[str, float] | None = None,
-    progress: Progress | None = None,
+    meter: Meter | None = None,
     max_model_bytes: int | None = None,
     out: StateDict | None = None,
 ) -> StateDict:
     """Apply ``path`` (oldest first) to ``state`` (None when the path starts at a base): fetch
     each snapshot's shards, then decode and verify off the event loop (into ``out``, if given:
     see :func:`apply_snapshot`). Nothing is fetched when a snapshot of the path holds more than
-    ``max_model_bytes``. Seconds spent fetching, decoding and verifying are added to ``timings``."""
-    timings = {} if timings is None else timings
+    ``max_model_bytes``. Seconds spent fetching, decoding and verifying, and the bytes fetched,
+    are reported to ``meter``."""
+    meter = meter or Meter()
     for manifest in path:
         if max_model_bytes is not None and manifest.model_bytes > max_model_bytes:
             raise IncompatibleSnapshotError(f"snapshot {manifest.snapshot_id} holds {manifest.model_bytes} bytes of "
@@ -392,12 +416,12 @@ async def replay(
         t0 = time.perf_counter()
         if out is not None and any(shard.size > STREAM_PIECE_BYTES for shard in manifest.shards):
             state = await stream_snapshot(reader.store, manifest, state, out, authenticated=authenticated,
-                                          progress=progress, timings=timings)
+                                          meter=meter)
             continue
-        shards = await fetch_shards(reader.store, manifest, concurrency=concurrency, progress=progress,
+        shards = await fetch_shards(reader.store, manifest, concurrency=concurrency, meter=meter,
                                     authenticated=authenticated)
-        timings["fetch"] = timings.get("fetch", 0.0) + time.perf_counter() - t0
-        state = await asyncio.to_thread(apply_snapshot, state, manifest, shards, timings, out=out)
+        meter.add("fetch", time.perf_counter() - t0)
+        state = await asyncio.to_thread(apply_snapshot, state, manifest, shards, meter, out=out)
     if state is None:
         raise ChainError("nothing to replay")
     return state

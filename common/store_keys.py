@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .manifest import Encoding, check_relative_name, check_snapshot_id
+from .shard_format import DELTA_SHARD_EXT
 
 HEAD_KEY = "HEAD"
 #: The trainer's signed heartbeat: its run, newest step and when it last wrote (see heartbeat.py).
@@ -48,5 +49,5 @@ def parts_prefix(snapshot_id: str) -> str:
 
 def shard_name(rank: int, world_size: int, encoding: Encoding) -> str:
     """A rank's shard: a plain safetensors file for raw tensors, else a delta shard (.dsd)."""
-    ext = "safetensors" if encoding is Encoding.RAW else "dsd"
+    ext = "safetensors" if encoding is Encoding.RAW else DELTA_SHARD_EXT
     return f"shard-{rank:05d}-of-{world_size:05d}.{ext}"

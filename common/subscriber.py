@@ -31,7 +31,7 @@ from .errors import ChainError, ConfigError, DeltaSwapError, EngineStateUnknownE
 from .heartbeat import Heartbeat, HeartbeatReader
 from .manifest import Encoding, Manifest, SnapshotKind
 from .metrics import failure_kind, subscriber_metrics
-from .rebuild import replay
+from .rebuild import Meter, replay
 from .settings import Settings
 from .signing import TrustedKeys, split_paths
 from .stores import Store, open_store
@@ -257,7 +257,7 @@ class Subscriber:
             await asyncio.to_thread(codec.start_warm_up(encoder=False).join)  # compiled before, not during
         out = await self.adapter.destination(target.specs)  # the engine's spare weights, if it has them
         state = await replay(self.reader, path, start, concurrency=self.settings.fetch_concurrency,
-                             timings=timings, progress=self._metrics.bytes_fetched.inc,
+                             meter=Meter(timings, self._metrics.bytes_fetched.inc),
                              max_model_bytes=self._max_model_bytes(), out=out)
         update = WeightUpdate(version=target.snapshot_id, state=state, names=self._changed(target),
                               previous=self._state, checksums={t.name: t.checksum for t in target.tensors})

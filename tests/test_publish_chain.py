@@ -178,6 +178,27 @@ async def test_flipped_bit_in_a_shard_is_rejected(chain) -> None:
     await rebuild(FileStore(root), ids[3])
 
 
+async def test_a_delta_shard_without_its_magic_is_corrupt_data_fetched_whole_or_streamed(tmp_path, monkeypatch) -> None:
+    """A delta shard whose digests match the manifest but which does not start with DSWPSHD1 is
+    refused once verified, before the codec reads it, by both readers (whole and in pieces)."""
+    from delta_swap import publisher
+    from delta_swap import rebuild as rebuild_module
+    from delta_swap.rebuild import replay
+
+    monkeypatch.setattr(publisher, "DELTA_SHARD_MAGIC", b"NOTMAGIC")  # same length: offsets unchanged
+    ids = _publish(tmp_path, rl_steps(2))
+    reader = ChainReader(FileStore(tmp_path))
+    path = await reader.path_to(ids[1])
+    assert [m.kind for m in path] == ["base", "delta"]
+    with pytest.raises(CorruptDataError, match="does not start with DSWPSHD1") as whole:
+        await rebuild(FileStore(tmp_path), ids[1])
+    base = await replay(reader, path[:1], None)
+    monkeypatch.setattr(rebuild_module, "STREAM_PIECE_BYTES", 5)  # streamed, the magic split over two pieces
+    with pytest.raises(CorruptDataError, match="does not start with DSWPSHD1") as streamed:
+        await replay(reader, path[1:], base, out=base)
+    assert whole.type is streamed.type is CorruptDataError  # not a checksum mismatch: the digests match
+
+
 def _edit_manifest(root, snapshot_id, edit) -> None:
     path = root / store_keys.manifest_key(snapshot_id)
     doc = json.loads(path.read_text())
