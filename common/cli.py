@@ -22,6 +22,7 @@ from . import store_keys
 from .chain import ChainReader
 from .checkpoint_dir import PULL_MARKER, install_checkpoint, is_side_file, read_checkpoint_dir
 from .checksum import verify_blob
+from .codec_warm_up import WARM_UP_THREAD
 from .errors import ChainError, CorruptDataError, DeltaSwapError, NotFoundError, RollbackError
 from .freshness import Seen, refuse_going_back
 from .manifest import Manifest
@@ -31,8 +32,6 @@ from .signing import TrustedKeys, generate_keypair, split_paths
 from .stores import Store, open_store
 
 log = logging.getLogger("delta_swap.cli")
-#: The name of the thread ``codec.start_warm_up`` runs the warm-up child from.
-WARM_UP_THREAD = "delta-swap-codec-warm-up"
 
 
 @contextmanager

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from . import codec, store_keys
+from . import codec, codec_warm_up, store_keys
 from .chain import ChainReader
 from .checksum import checksum, sha256
 from .commit import Part, commit, try_commit, write_part
@@ -168,7 +168,7 @@ class Publisher:
         self._thread = threading.Thread(target=self._run, name=f"delta-swap-publisher-{config.rank}", daemon=True)
         self._thread.start()
         if config.codec.version >= 2:
-            codec.start_warm_up()  # the first delta comes after a base: compile meanwhile
+            codec_warm_up.start_warm_up()  # the first delta comes after a base: compile meanwhile
 
     # ------------------------------------------------------------------ caller side
 

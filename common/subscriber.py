@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import codec, freshness
+from . import codec_warm_up, freshness
 from .chain import ChainReader
 from .engine_adapter import EngineAdapter, WeightUpdate
 from .errors import ChainError, ConfigError, DeltaSwapError, EngineStateUnknownError
@@ -143,7 +143,7 @@ class Subscriber:
         while not self._stopping:
             polled = time.monotonic()
             await self.sync()
-            codec.start_warm_up(encoder=False)  # once per process
+            codec_warm_up.start_warm_up(encoder=False)  # once per process
             try:
                 await asyncio.wait_for(self._wake.wait(), self.settings.poll_interval)
             except asyncio.TimeoutError:
@@ -254,7 +254,7 @@ class Subscriber:
         self._enter_phase("fetch")  # fetch, decode and verify
         start = None if path[0].kind is SnapshotKind.BASE else self._state
         if any(t.encoding not in (Encoding.RAW, Encoding.SAME) for m in path for t in m.tensors):
-            await asyncio.to_thread(codec.start_warm_up(encoder=False).join)  # compiled before, not during
+            await asyncio.to_thread(codec_warm_up.start_warm_up(encoder=False).join)  # compiled before, not during
         out = await self.adapter.destination(target.specs)  # the engine's spare weights, if it has them
         state = await replay(self.reader, path, start, concurrency=self.settings.fetch_concurrency,
                              meter=Meter(timings, self._metrics.bytes_fetched.inc),
@@ -391,7 +391,7 @@ class Subscriber:
             "last_update_timings_s": {k: round(v, 6) for k, v in self._last_timings.items()},
             "last_update_path": self._last_path,
             "updates_applied": self._updates,
-            "codec_ready": codec.warmed_up(),
+            "codec_ready": codec_warm_up.warmed_up(),
             # Seconds the engine generated nothing because of updates (pause + swap + resume, summed).
             "paused_seconds_total": round(self._paused_total, 6),
             "failures": self._failures,

@@ -4,8 +4,6 @@ stored v1 payloads that must keep decoding bit-exact, and rejection of crafted p
 from __future__ import annotations
 
 import struct
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -18,7 +16,7 @@ from delta_swap.codec import v1, v2
 from delta_swap.codec.v2 import samples, wire
 from delta_swap.dtypes import DTYPE_SIZES
 from delta_swap.errors import ConfigError, CorruptDataError
-from tests.support import codec_fixtures, pageout
+from tests.support import codec_fixtures
 
 V1 = codec.CodecConfig(version=1)
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -363,62 +361,6 @@ def test_decoder_only_warm_up_decodes_its_stored_payloads() -> None:
     signs = samples.stored_payload("BF16 signs")  # the predicted-sign kernels are warmed up too
     old, new = samples.sign_tensors()
     assert signs[6] == v2.FLAG_SIGN_MODEL and np.array_equal(codec.decode(old, signs, "BF16", old.size), new)
-    first = codec.start_warm_up(encoder=False)
-    assert codec.start_warm_up(encoder=False) is first  # once per process
-    first.join(timeout=60)
-    assert not first.is_alive()
-
-
-_LLVM_RESIDENT = """
-import numpy as np
-from delta_swap import codec
-from delta_swap.codec import v2
-from delta_swap.codec.v2 import samples
-
-def resident_kb():
-    kb, in_llvm = 0, False
-    for line in open("/proc/self/smaps"):
-        head = line.split()
-        if "-" in head[0] and not head[0].endswith(":"):
-            in_llvm = len(head) > 5 and "llvmlite" in head[5]
-        elif in_llvm and head[0] == "Rss:":
-            kb += int(head[1])
-    return kb
-
-codec.warm_up(encoder=False)
-loaded = resident_kb()
-codec.start_warm_up(encoder=False).join()
-after = resident_kb()
-for dtype in v2.FLOATS:  # decoding still works, and bit-exact
-    old, new = samples.tensors(dtype)
-    out = old.copy()
-    codec.decode_into(out, samples.stored_payload(dtype), dtype)
-    assert np.array_equal(out, new), dtype
-print(loaded, after, resident_kb())
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
-def test_server_warm_up_pages_llvm_out_once_the_kernels_are_loaded() -> None:
-    """A server's warm-up leaves LLVM's code (~75 MB of libllvmlite.so, needed only to compile or
-    load kernels) out of its memory, and decoding afterwards neither needs it nor changes. Where
-    pages stay, the host is probed: a host that cannot page the library out skips with its reason,
-    one that can fails the test (twice in a row: a process mapping it for a moment is no failure)."""
-    for _attempt in range(2):
-        # MADV_PAGEOUT skips pages that another process maps too: this test process (numba loaded,
-        # kernels compiled) maps the same libllvmlite.so, so it gives its own pages back first
-        pageout.page_out_here("llvmlite")
-        done = subprocess.run([sys.executable, "-c", _LLVM_RESIDENT], capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-2000:]
-        loaded, after, after_decoding = map(int, done.stdout.split()[-3:])
-        assert loaded > 20_000, loaded  # kB: the kernels' load ran LLVM
-        if after < loaded / 4 and after_decoding < loaded / 4:
-            return
-        # pages stayed: the host's fault (skip) or the warm-up's (fail)
-        why = pageout.why_pages_stay("llvmlite", "from delta_swap import codec; codec.warm_up(encoder=False)")
-        if why is not None:
-            pytest.skip(f"LLVM stayed resident ({after} of {loaded} kB) because {why}")
-    pytest.fail(f"the warm-up left LLVM resident ({loaded}, {after}, {after_decoding} kB) on a host that pages it out")
 
 
 def test_numba_cache_falls_back_to_a_temp_folder_when_nothing_else_is_writable(monkeypatch, tmp_path) -> None:

@@ -6,14 +6,12 @@ deltas, Golomb-coded positions, rANS magnitudes, numba kernels); payloads of cod
 readable. Every decoder dispatches on the payload's magic; the wire formats are in docs/FORMAT.md.
 
 codec v2 needs numba; it is imported on first use, so ``import delta_swap`` stays light. Its
-kernels are JIT-compiled once per machine and cached on disk: a server calls :func:`start_warm_up`
-when it starts so the first delta it receives does not wait for the compiler.
+kernels are JIT-compiled once per machine and cached on disk; :func:`warm_up` compiles them now
+(servers and publishers do that in the background: :mod:`delta_swap.codec_warm_up`).
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import threading
 from dataclasses import dataclass
 from types import ModuleType
@@ -21,7 +19,6 @@ from types import ModuleType
 import numpy as np
 
 from ..errors import ConfigError, CorruptDataError
-from ..host_memory import page_out_library
 from ..manifest import Encoding
 from . import v1
 from .inputs import raw_bytes
@@ -70,52 +67,6 @@ def warm_up(encoder: bool = True) -> None:
     """Compile (or load from the on-disk cache) codec v2's decoder kernels now, and its encoder's
     unless ``encoder`` is False (a server only decodes)."""
     _v2().warm_up(encoder)
-
-
-_warm_up_lock = threading.Lock()
-_warm_up_threads: dict[bool, threading.Thread] = {}
-
-
-def start_warm_up(encoder: bool = True) -> threading.Thread:
-    """:func:`warm_up` in a daemon thread (returned, already started), once per process; errors
-    there are ignored, since the first real payload compiles what it needs anyway. Cold (nothing
-    cached yet) this takes ~15 s of one core for the decoder and ~30 s with the encoder; with the
-    cache, under a second (benchmarks/README.md).
-
-    The kernels are compiled in a child process (at a lower priority than the engine), which fills
-    numba's on-disk cache, and then loaded from that cache here: a compile leaves ~90 MB of LLVM's
-    working memory in the process that ran it, and a server should not carry that for its life.
-    Once they are loaded, LLVM's code pages are paged out as well (~75 MB resident otherwise;
-    decoding never runs LLVM, and a later compile reads them back from disk)."""
-
-    def run() -> None:
-        try:
-            code = f"import os; os.nice(10); from delta_swap import codec; codec.warm_up({encoder})"
-            subprocess.run([sys.executable, "-c", code],
-                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           timeout=900, check=False)
-        except (OSError, subprocess.SubprocessError):  # then this process compiles, as it would anyway
-            pass
-        try:
-            warm_up(encoder)
-        except Exception:  # noqa: BLE001 - best effort: decoding works without it
-            return
-        page_out_library("llvmlite")  # LLVM ran to load the kernels; decoding does not need it
-
-    with _warm_up_lock:
-        thread = _warm_up_threads.get(encoder) or _warm_up_threads.get(True)
-        if thread is None:
-            thread = threading.Thread(target=run, name="delta-swap-codec-warm-up", daemon=True)
-            thread.start()
-            _warm_up_threads[encoder] = thread
-    return thread
-
-
-def warmed_up() -> bool:
-    """Whether a warm-up started in this process has finished: deltas then decode without waiting
-    for the JIT (``codec_ready`` in a server's status)."""
-    with _warm_up_lock:
-        return any(not thread.is_alive() for thread in _warm_up_threads.values())
 
 
 def payload_version(payload: bytes | memoryview) -> int:

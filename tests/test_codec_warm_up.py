@@ -1,0 +1,72 @@
+"""The codec's background warm-up (delta_swap.codec_warm_up): once per process, reported done,
+and LLVM paged out of a server once the kernels are loaded."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from delta_swap import codec_warm_up
+from tests.support import pageout
+
+
+def test_warm_up_runs_once_per_process_and_reports_when_done() -> None:
+    first = codec_warm_up.start_warm_up(encoder=False)
+    assert first.name == codec_warm_up.WARM_UP_THREAD
+    assert codec_warm_up.start_warm_up(encoder=False) is first  # once per process
+    first.join(timeout=120)
+    assert not first.is_alive() and codec_warm_up.warmed_up()
+
+
+_LLVM_RESIDENT = """
+import numpy as np
+from delta_swap import codec, codec_warm_up
+from delta_swap.codec import v2
+from delta_swap.codec.v2 import samples
+
+def resident_kb():
+    kb, in_llvm = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if "-" in head[0] and not head[0].endswith(":"):
+            in_llvm = len(head) > 5 and "llvmlite" in head[5]
+        elif in_llvm and head[0] == "Rss:":
+            kb += int(head[1])
+    return kb
+
+codec.warm_up(encoder=False)
+loaded = resident_kb()
+codec_warm_up.start_warm_up(encoder=False).join()
+after = resident_kb()
+for dtype in v2.FLOATS:  # decoding still works, and bit-exact
+    old, new = samples.tensors(dtype)
+    out = old.copy()
+    codec.decode_into(out, samples.stored_payload(dtype), dtype)
+    assert np.array_equal(out, new), dtype
+print(loaded, after, resident_kb())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_server_warm_up_pages_llvm_out_once_the_kernels_are_loaded() -> None:
+    """A server's warm-up leaves LLVM's code (~75 MB of libllvmlite.so, needed only to compile or
+    load kernels) out of its memory, and decoding afterwards neither needs it nor changes. Where
+    pages stay, the host is probed: a host that cannot page the library out skips with its reason,
+    one that can fails the test (twice in a row: a process mapping it for a moment is no failure)."""
+    for _attempt in range(2):
+        # MADV_PAGEOUT skips pages that another process maps too: this test process (numba loaded,
+        # kernels compiled) maps the same libllvmlite.so, so it gives its own pages back first
+        pageout.page_out_here("llvmlite")
+        done = subprocess.run([sys.executable, "-c", _LLVM_RESIDENT], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        loaded, after, after_decoding = map(int, done.stdout.split()[-3:])
+        assert loaded > 20_000, loaded  # kB: the kernels' load ran LLVM
+        if after < loaded / 4 and after_decoding < loaded / 4:
+            return
+        # pages stayed: the host's fault (skip) or the warm-up's (fail)
+        why = pageout.why_pages_stay("llvmlite", "from delta_swap import codec; codec.warm_up(encoder=False)")
+        if why is not None:
+            pytest.skip(f"LLVM stayed resident ({after} of {loaded} kB) because {why}")
+    pytest.fail(f"the warm-up left LLVM resident ({loaded}, {after}, {after_decoding} kB) on a host that pages it out")
