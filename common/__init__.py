@@ -1,40 +1,56 @@
 """delta-swap: publish lossless weight deltas from a trainer, hot-swap them into running engines.
 
-Layers, bottom up (a module imports only from its own layer or those below it)::
+Layers, bottom up: a module imports only from its own layer or those below it (checked by
+tests/test_layer_map.py). This is the one map of the package; README.md and docs/ARCHITECTURE.md
+point here::
 
-    format       codec            lossless tensor codec: codec_v2 (exponent-classed ULP deltas, numba;
-                                  codec_v2_select: its branch-free BF16 apply where the CPU has
-                                  BMI2), codec_v1 (byte planes + zstd, read for old stores)
-                 manifest         snapshot manifest, SnapshotKind, Encoding, validation (docs/FORMAT.md)
-                 store_keys       where every key lives in a store
-                 safetensors_io   the safetensors file format; checkpoint_dir: HF checkpoint folders
-                 signing          Ed25519 manifest signatures, trusted keys (docs/SECURITY.md)
-                 dtypes, tensors, checksum, errors, settings
-                 host_memory      giving memory back (freed heap pages, LLVM once kernels load)
-    stores       stores/          one async Store interface; file://, s3:// (aiobotocore),
-                                  http(s):// (httpx, read only); retry: backoff with jitter
-    chain        chain            reading HEAD, manifests and paths through the chain
-                 rebuild          fetch, decode and verify snapshots
-                 commit           how ranks' parts become a manifest and move HEAD
-                 publisher        the trainer side: background encode, upload, commit, notify
-                 retention        deleting snapshots no server needs (PublisherConfig.keep_bases)
-    rollout      served_model     what a server runs; snapshots are checked against it
-                 engine_adapter   the contract an engine adapter implements (EngineAdapter)
-                 arena            weight arenas: one flat buffer per dtype, a live and a spare copy
-                 torch_params     pointing an engine's parameters into an arena
-                 swap             one update, all or nothing: stage, pause, swap, roll back, resume
-                 subscriber       poll, plan, fetch, verify, then apply_update
-                 metrics          Prometheus metrics of the subscriber
-    serving      admin_routes     /delta_swap/status, /resync, /notify (FastAPI)
-                 service          what an engine plugin calls: mount routes, start, stop
-                 version_tags     OpenAI responses tagged with the weight version that made them
-                 testing/         RecordingAdapter, a complete adapter with no engine;
-                                  engine_exactness, the suite every engine's tests subclass
-    trainers     integrations/    HF Trainer / TRL callback, sharded (FSDP) ranks' own tensors,
-                                  hf_names: a live model's checkpoint names (tied, fused experts)
-    tools        cli              the ``delta-swap`` command
+    format   codec/                 the lossless tensor codec behind one facade (codec/__init__):
+                                    v2/ writes DSC2 (wire, bitio, encode_kernels, decode_kernels,
+                                    parse, encoder, decoder, sign_model, select_apply, jit, samples),
+                                    v1 reads DSC1 (old stores), zstd_frames, inputs
+             codec_warm_up          the codec's kernels compiled in a child process at start, then
+                                    LLVM's pages given back
+             manifest               snapshot manifest, SnapshotKind, Encoding, validation
+                                    (docs/FORMAT.md)
+             shard_format           the delta shard (.dsd): its magic, which readers check
+             store_keys             where every key lives in a store
+             safetensors_io         the safetensors file format
+             checkpoint_dir         Hugging Face checkpoint folders
+             integrations/hf_names  a live transformers model's checkpoint names (tied, fused experts)
+             signing                Ed25519 manifest signatures, trusted keys (docs/SECURITY.md)
+             dtypes, tensors        dtype names and sizes; HostTensor, StateDict
+             checksum, errors       xxh3-128 and SHA-256; the one exception hierarchy
+             host_memory            giving memory back (freed heap pages, LLVM once kernels load)
+    stores   stores/                one async Store interface; file://, s3:// (aiobotocore),
+                                    http(s):// (httpx, read only); a registry keyed by URL scheme
+             retry                  backoff with jitter
+    chain    chain                  reading HEAD, manifests and paths through the chain
+             freshness              never going back: the newest snapshot a reader verified
+             heartbeat              the trainer's signed heartbeat (a frozen HEAD shows as stale)
+             rebuild                fetch, check, decode and verify snapshots (large shards streamed)
+             commit                 how ranks' parts become a manifest and move HEAD
+             publisher              the trainer side: background encode, upload, commit, notify
+             retention              deleting snapshots no server needs (PublisherConfig.keep_bases)
+    rollout  settings               Settings: every setting of a rollout server
+             served_model           what a server runs; snapshots are checked against it
+             engine_adapter         the contract an engine adapter implements (EngineAdapter)
+             arena                  weight arenas: one flat buffer per dtype, a live and a spare copy
+             torch_params           pointing an engine's parameters into an arena
+             swap                   one update, all or nothing: stage, pause, swap, roll back, resume
+             subscriber             poll, plan, fetch, verify, then apply_update
+             metrics                Prometheus metrics of the subscriber
+    serving  admin_routes           /delta_swap/status, /resync, /notify (FastAPI)
+             service                what an engine plugin calls: mount routes, start, stop
+             version_tags           OpenAI responses tagged with the weight version that made them
+             testing/               RecordingAdapter, a complete adapter with no engine;
+                                    engine_exactness, the suite every engine's tests subclass
+    trainers integrations/          HF Trainer / TRL callback (hf_trainer), sharded (FSDP) ranks'
+                                    own tensors (sharded)
+    tools    cli                    the ``delta-swap`` command
 
-Engine adapters live outside the core: ``vllm_delta_plugin`` and ``sglang_delta_plugin``.
+Engine adapters live outside the core: ``vllm_delta_plugin`` and ``sglang_delta_plugin`` (each
+lists its modules in its own docstring).
+
 The names below are the public API; they are imported on first use, so ``import delta_swap``
 stays light (and does not import Prometheus before an engine has configured it).
 """

@@ -78,7 +78,8 @@ class Settings:
     bytes of loading the newest base and its deltas; otherwise reload from the base."""
 
     staging_dir: str = _default_staging_dir()
-    """Where tensors are staged for engine workers to map (vLLM; tmpfs when available)."""
+    """Where the weight arenas, staged tensors and the files an engine's other processes read are
+    kept (vLLM's workers, SGLang's scheduler; tmpfs when available)."""
 
     freshness_file: str | None = None
     """File where the server records the run and step of the newest snapshot it verified, so that

@@ -7,5 +7,8 @@ snapshot of a store.
 * :mod:`.server` mounts the admin routes and runs delta-swap's subscriber for as long as the
   server's app lives (:mod:`delta_swap.service`);
 * :mod:`.adapter` is the engine adapter: stage, drain, update, resume through the tokenizer manager;
-* :mod:`.staging` packs tensors into one shared-memory bucket for ``update_weights_from_tensor``.
+* :mod:`.engine_ops` is delta-swap's code in the scheduler process, where the parameters live: it
+  lays them out as weight arenas and commits reference swaps;
+* :mod:`.staging` packs tensors into one shared-memory bucket for ``update_weights_from_tensor``;
+* :mod:`.versions` tags OpenAI responses with the weight versions that produced them.
 """
