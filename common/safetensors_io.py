@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import struct
 from collections.abc import Iterable
 from typing import BinaryIO
@@ -85,7 +86,7 @@ def parse_header(prefix: bytes | memoryview, file_size: int) -> dict[str, tuple[
     return out
 
 
-def read_safetensors(data: bytes | memoryview | np.ndarray) -> dict[str, HostTensor]:
+def read_safetensors(data: bytes | memoryview | mmap.mmap | np.ndarray) -> dict[str, HostTensor]:
     """Parse a whole safetensors file held in memory (tensors view ``data``; no copy)."""
     buf = np.frombuffer(data, dtype=np.uint8)
     entries = parse_header(memoryview(buf), buf.size)  # type: ignore[arg-type]  # numpy types ndarray a Buffer on 3.12+ only
