@@ -59,8 +59,9 @@ def _imports(module: str, path: Path) -> set[str]:
         stem = base + [part for part in name.split(".") if part]
         for alias in node.names:  # `from . import codec` names a module, `from .x import y` names y in x
             candidate = "/".join([*stem, alias.name])
-            found.add(candidate if (ROOT / f"{candidate}.py").exists() or (ROOT / candidate).is_dir()
-                      else "/".join(stem))
+            found.add(
+                candidate if (ROOT / f"{candidate}.py").exists() or (ROOT / candidate).is_dir() else "/".join(stem)
+            )
     return {f for f in found if f}
 
 
