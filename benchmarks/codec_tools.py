@@ -175,16 +175,18 @@ def numba_vs_c(cks: list[dict[str, torch.Tensor]], repeats: int = 5) -> dict[str
             if payload[4] != v2.METHOD_ULP:
                 continue
             scratch = v2.decoder._Scratch()
-            sc = np.zeros(12, np.int64)
+            layout = np.zeros(1, v2.parse.LAYOUT)
             p = np.frombuffer(payload, np.uint8)
             pos = 7 + len(v2.wire.varint(a.size // 2))
-            err = v2.parse.parse_ulp(p, pos, a.size // 2, 8, 0xFFFF, 0, scratch.i64, scratch.u8, sc)
+            err = v2.parse.parse_ulp(p, pos, a.size // 2, 8, 0xFFFF, 0, scratch.i64, scratch.u8, layout)
             if err == 2:
-                scratch.grow(int(sc[0]), int(sc[1]))
-                err = v2.parse.parse_ulp(p, pos, a.size // 2, 8, 0xFFFF, 0, scratch.i64, scratch.u8, sc)
+                scratch.grow(int(layout[0]["need_i64"]), int(layout[0]["need_u8"]))
+                err = v2.parse.parse_ulp(p, pos, a.size // 2, 8, 0xFFFF, 0, scratch.i64, scratch.u8, layout)
             if err != 1:
                 continue
-            D, row_len, S, K, n_ev, n_changed, n_rows, o_ = (int(x) for x in sc[:8])
+            lay = v2.parse.UlpLayout(*layout[0].tolist())
+            D, row_len, K, n_ev, n_changed, n_rows, o_ = (lay.dense_first, lay.walk_row_len, lay.n_classes,
+                                                          lay.n_event_slots, lay.n_changed, lay.n_rows, lay.lut_at)
             i64 = scratch.i64
             lut = i64[o_:o_ + 512]
             state = i64[o_ + 512:o_ + 512 + 5 * (K + 1)].copy()

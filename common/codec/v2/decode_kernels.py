@@ -38,8 +38,9 @@ def _rans_step(x, wp, slots, rans, last):
 
 
 @kernel
-def dec_streams(words, nbits, n_rows, row_mode, n_row_ev, row_m, cls_nev, cls_m, ev, ev_off,
-                 mag_mode, mag_par, freqs, freq_off, val_off, val_cnt, signs, rans, vals, row_dead, max_mag):
+def dec_streams(words, nbits, n_rows, row_mode, n_row_events, row_m, n_events, cls_m, ev, ev_off,
+                 mag_mode, mag_m, mag_T, freqs, freq_off, val_off, n_class_changes, signs, rans, vals, row_dead,
+                 max_mag):
     """Decode the row flags, each class's gaps (into ev, sentinel-terminated per class) and the
     signed steps (into vals). Returns 0 or a negative error code.
 
@@ -51,7 +52,7 @@ def dec_streams(words, nbits, n_rows, row_mode, n_row_ev, row_m, cls_nev, cls_m,
     if row_mode != 0:
         b, cut = golomb_params(row_m)
         r = -1
-        for _ in range(n_row_ev):
+        for _ in range(n_row_events):
             g, pos = golomb_read(words, pos, row_m, b, cut)
             if pos < 0 or pos > nbits:
                 return -1
@@ -73,18 +74,18 @@ def dec_streams(words, nbits, n_rows, row_mode, n_row_ev, row_m, cls_nev, cls_m,
         wp = 2
         if x < RANS_L:
             return -4
-    n_esc = np.zeros(cls_nev.size, np.int64)  # per class: values whose rANS symbol escapes
+    n_esc = np.zeros(n_events.size, np.int64)  # per class: values whose rANS symbol escapes
     U1 = np.uint64(1)
-    K = cls_nev.size
+    K = n_events.size
     for c in range(K):
         m = cls_m[c]
         b, cut = golomb_params(m)
         o = np.uint64(ev_off[c])
-        o_end = o + np.uint64(cls_nev[c])
+        o_end = o + np.uint64(n_events[c])
         mode = mag_mode[c]
         j = np.uint64(val_off[c])
-        j_end = j + np.uint64(val_cnt[c]) if mode != 1 else j  # Golomb-coded steps come after the gaps
-        T = mag_par[c] if mode == 2 else 0
+        j_end = j + np.uint64(n_class_changes[c]) if mode != 1 else j  # Golomb-coded steps come after the gaps
+        T = mag_T[c] if mode == 2 else 0
         if mode == 2:
             t = 0
             for s in range(T):
@@ -134,9 +135,9 @@ def dec_streams(words, nbits, n_rows, row_mode, n_row_ev, row_m, cls_nev, cls_m,
         ev[o_end] = SENTINEL
     for c in range(K):
         j = np.uint64(val_off[c])
-        j_end = j + np.uint64(val_cnt[c])
+        j_end = j + np.uint64(n_class_changes[c])
         if mag_mode[c] == 1:
-            m = mag_par[c]
+            m = mag_m[c]
             b, cut = golomb_params(m)
             while j < j_end:
                 g, pos = golomb_read(words, pos, m, b, cut)
@@ -145,7 +146,7 @@ def dec_streams(words, nbits, n_rows, row_mode, n_row_ev, row_m, cls_nev, cls_m,
                 vals[j] = _signed(g, signs, j)
                 j += U1
         elif n_esc[c]:
-            T = mag_par[c]
+            T = mag_T[c]
             while j < j_end:
                 if vals[j] == T or vals[j] == -T:  # the escape symbol T - 1, signed
                     L = np.int64(peek(words, pos) & np.uint64(63))

@@ -14,7 +14,7 @@ from ..inputs import raw_bytes
 from . import select_apply
 from .decode_kernels import WALKS, check_consumed
 from .jit import readonly
-from .parse import ERRORS, parse_ulp
+from .parse import ERRORS, LAYOUT, UlpLayout, parse_ulp
 from .wire import (
     FLAG_SIGN_MODEL,
     FLOATS,
@@ -79,24 +79,28 @@ def _apply_ulp(p: np.ndarray, pos: int, elems: np.ndarray, dtype: str, flags: in
 
 def _apply_ulp_with(scratch: _Scratch, p: np.ndarray, pos: int, elems: np.ndarray, dtype: str, exp_bits: int,
                     full: int, flags: int = 0) -> int:
-    sc = np.zeros(12, np.int64)
-    err = parse_ulp(p, pos, elems.size, exp_bits, full, flags, scratch.i64, scratch.u8, sc)
+    layout = np.zeros(1, LAYOUT)
+    err = parse_ulp(p, pos, elems.size, exp_bits, full, flags, scratch.i64, scratch.u8, layout)
     if err == 2:  # sizes were validated against n and the payload length before this request
-        scratch.grow(int(sc[0]) + int(sc[0]) // 4, int(sc[1]) + int(sc[1]) // 4)
-        err = parse_ulp(p, pos, elems.size, exp_bits, full, flags, scratch.i64, scratch.u8, sc)
+        need = UlpLayout(*layout[0].tolist())
+        scratch.grow(need.need_i64 + need.need_i64 // 4, need.need_u8 + need.need_u8 // 4)
+        err = parse_ulp(p, pos, elems.size, exp_bits, full, flags, scratch.i64, scratch.u8, layout)
     i64s, u8s = scratch.i64, scratch.u8
     if err == 1:
-        D, row_len, S, K, n_ev, n_changed, n_rows, o_, predict, t_at, pred_len, c_at = (int(x) for x in sc)
-        table = i64s[t_at:t_at + 64].view(np.uint64)
+        lay = UlpLayout(*layout[0].tolist())
+        K, S, D, row_len, n_rows = lay.n_classes, lay.n_sparse, lay.dense_first, lay.walk_row_len, lay.n_rows
+        predict, pred_len, c_at = lay.predict, lay.row_len, lay.codes_at_u8
+        table = i64s[lay.table_at:lay.table_at + 64].view(np.uint64)
         n_pred_rows = elems.size // pred_len if predict else 0
         rc = u8s[c_at:c_at + n_pred_rows]
         cc = u8s[c_at + n_pred_rows:c_at + n_pred_rows + (pred_len if predict else 0)]
         E = 1 << exp_bits
+        o_ = lay.lut_at
         lut = i64s[o_:o_ + 2 * E]
         o_ += 2 * E
         cnt, evp, vp, vend, evend = (i64s[o_ + j * (K + 1):o_ + (j + 1) * (K + 1)] for j in range(5))
-        ev = i64s[:n_ev]
-        vals = i64s[n_ev:n_ev + n_changed]
+        ev = i64s[:lay.n_event_slots]
+        vals = i64s[lay.n_event_slots:lay.n_event_slots + lay.n_changed]
         row_dead = u8s[:n_rows] if n_rows else np.zeros(1, np.uint8)
         if dtype == "BF16" and select_apply.AVAILABLE and elems.flags.c_contiguous:
             return select_apply.apply_bf16(scratch.select, elems, row_dead, row_len, n_rows, lut, S, D,

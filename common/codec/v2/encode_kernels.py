@@ -200,7 +200,8 @@ def golomb_best_m(g, m_hint):
 
 
 @kernel
-def write_bits(buf, row_ev, row_m, ev, ev_off, ev_cnt, cls_m, vals, val_off, val_cnt, mag_mode, mag_par):
+def write_bits(buf, row_ev, row_m, ev, ev_off, n_events, cls_m, vals, val_off, n_class_changes, mag_mode, mag_m,
+               mag_T):
     """The bitstream: row gaps, each class's event gaps, then each class's magnitudes (Golomb
     codes, or the escape payloads of rANS-coded ones). Returns its length in bits."""
     st = np.zeros(3, np.uint64)
@@ -212,18 +213,18 @@ def write_bits(buf, row_ev, row_m, ev, ev_off, ev_cnt, cls_m, vals, val_off, val
     for c in range(K):
         m = cls_m[c]
         b, cut = golomb_params(m)
-        for j in range(ev_off[c], ev_off[c] + ev_cnt[c]):
+        for j in range(ev_off[c], ev_off[c] + n_events[c]):
             golomb_write(buf, st, ev[j], m, b, cut)
     for c in range(K):
         if mag_mode[c] == 1:
-            m = mag_par[c]
+            m = mag_m[c]
             b, cut = golomb_params(m)
-            for j in range(val_off[c], val_off[c] + val_cnt[c]):
+            for j in range(val_off[c], val_off[c] + n_class_changes[c]):
                 d = vals[j]
                 golomb_write(buf, st, (d if d > 0 else -d) - 1, m, b, cut)
         elif mag_mode[c] == 2:
-            T = mag_par[c]
-            for j in range(val_off[c], val_off[c] + val_cnt[c]):
+            T = mag_T[c]
+            for j in range(val_off[c], val_off[c] + n_class_changes[c]):
                 d = vals[j]
                 mg = (d if d > 0 else -d) - 1
                 if mg >= T - 1:
@@ -258,7 +259,7 @@ def _rans_flush(x, w, out):
 
 
 @kernel
-def rans_encode(vals, val_off, val_cnt, mag_mode, mag_par, freqs, freq_off, out):
+def rans_encode(vals, val_off, n_class_changes, mag_mode, mag_T, freqs, freq_off, out):
     """Encode the table-mode magnitudes in reverse; returns the number of uint16 words written at
     the END of out (out[size-nw:] holds them in decoding order, the final state first)."""
     x = np.uint64(RANS_L)
@@ -268,12 +269,12 @@ def rans_encode(vals, val_off, val_cnt, mag_mode, mag_par, freqs, freq_off, out)
     for c in range(K - 1, -1, -1):
         if mag_mode[c] != 2:
             continue
-        T = mag_par[c]
+        T = mag_T[c]
         f = freqs[freq_off[c]:freq_off[c] + T]
         cum[0] = 0
         for s in range(T):
             cum[s + 1] = cum[s] + f[s]
-        for j in range(val_off[c] + val_cnt[c] - 1, val_off[c] - 1, -1):
+        for j in range(val_off[c] + n_class_changes[c] - 1, val_off[c] - 1, -1):
             d = vals[j]
             s = (d if d > 0 else -d) - 1
             if s > T - 1:

@@ -191,17 +191,17 @@ def _encode_ulp(u: np.ndarray, v: np.ndarray, dtype: str, shape: tuple[int, ...]
     K = len(classes)
     lut_e = np.full(E, K, np.int64)
     dense = np.zeros(K + 1, np.bool_)
-    cls_nev = np.zeros(K, np.int64)
-    cls_nchg = np.zeros(K, np.int64)
+    n_events = np.zeros(K, np.int64)
+    n_class_changes = np.zeros(K, np.int64)
     for c, (lo, hi, nn, k) in enumerate(classes):
         lut_e[lo:hi + 1] = c
         dense[c] = k > nn - k
-        cls_nev[c] = nn - k if dense[c] else k
-        cls_nchg[c] = k
+        n_events[c] = nn - k if dense[c] else k
+        n_class_changes[c] = k
     lut = np.concatenate([lut_e, lut_e])
-    ev_off = np.concatenate([[0], np.cumsum(cls_nev)[:-1]]).astype(np.int64) if K else np.zeros(0, np.int64)
-    val_off = np.concatenate([[0], np.cumsum(cls_nchg)[:-1]]).astype(np.int64) if K else np.zeros(0, np.int64)
-    ev = np.empty(int(cls_nev.sum()), np.int64)
+    ev_off = np.concatenate([[0], np.cumsum(n_events)[:-1]]).astype(np.int64) if K else np.zeros(0, np.int64)
+    val_off = np.concatenate([[0], np.cumsum(n_class_changes)[:-1]]).astype(np.int64) if K else np.zeros(0, np.int64)
+    ev = np.empty(int(n_events.sum()), np.int64)
     vals = np.empty(n_changed, np.int64)
     if K:
         enc_walk(u, v, lut, row_alive, row_len, mant_bits, dense, np.append(ev_off, 0), np.append(val_off, 0),
@@ -215,13 +215,14 @@ def _encode_ulp(u: np.ndarray, v: np.ndarray, dtype: str, shape: tuple[int, ...]
     # per-class Golomb parameters and magnitude coding
     cls_m = np.ones(K, np.int64)
     mag_mode = np.zeros(K, np.int64)
-    mag_par = np.zeros(K, np.int64)
+    mag_m = np.zeros(K, np.int64)  # mode 1: the Golomb parameter of |step| - 1
+    mag_T = np.zeros(K, np.int64)  # mode 2: the rANS table's size
     tables: dict[int, np.ndarray] = {}
     for c in range(K):
-        g = ev[ev_off[c]:ev_off[c] + cls_nev[c]]
+        g = ev[ev_off[c]:ev_off[c] + n_events[c]]
         if g.size:
             cls_m[c], _ = golomb_best_m(g, max(1.0, 0.69 * g.mean()))
-        mags = np.abs(vals[val_off[c]:val_off[c] + cls_nchg[c]]) - 1
+        mags = np.abs(vals[val_off[c]:val_off[c] + n_class_changes[c]]) - 1
         if mags.max() == 0:
             continue
         m2, gl = golomb_best_m(mags, max(1.0, 0.69 * mags.mean()))
@@ -233,7 +234,11 @@ def _encode_ulp(u: np.ndarray, v: np.ndarray, dtype: str, shape: tuple[int, ...]
                 best_bits, best = tb, (2, T, f)
             if T - 1 > mx:
                 break
-        mag_mode[c], mag_par[c] = best[0], best[1]
+        mag_mode[c] = best[0]
+        if best[0] == 1:
+            mag_m[c] = best[1]
+        else:
+            mag_T[c] = best[1]
         if best[0] == 2:
             tables[c] = best[2]
     freq_off = np.zeros(K, np.int64)
@@ -248,13 +253,14 @@ def _encode_ulp(u: np.ndarray, v: np.ndarray, dtype: str, shape: tuple[int, ...]
 
     bound = (row_ev.size + ev.size + vals.size) * 112 // 64 + 4  # every code is at most 47 + 63 bits
     buf = np.zeros(bound, np.uint64)
-    nbits = write_bits(buf, row_ev, row_m, ev, ev_off, cls_nev, cls_m, vals, val_off, cls_nchg, mag_mode, mag_par)
+    nbits = write_bits(buf, row_ev, row_m, ev, ev_off, n_events, cls_m, vals, val_off, n_class_changes, mag_mode,
+                       mag_m, mag_T)
     bits_bytes = buf.view(np.uint8)[: (nbits + 7) // 8].tobytes()
     flags, signs = _sign_section(u, v, vals, lut_e, mant_bits, E, shape if predict_signs else None, row_len, n_rows)
     rans_bytes = b""
     if tables:
         rbuf = np.zeros(vals.size * 2 + 8, np.uint16)
-        nw = rans_encode(vals, val_off, cls_nchg, mag_mode, mag_par, freqs, freq_off, rbuf)
+        nw = rans_encode(vals, val_off, n_class_changes, mag_mode, mag_T, freqs, freq_off, rbuf)
         rans_bytes = rbuf[rbuf.size - nw:].astype("<u2").tobytes()
 
     out = bytearray(header(METHOD_ULP, width, n, flags))
@@ -268,14 +274,14 @@ def _encode_ulp(u: np.ndarray, v: np.ndarray, dtype: str, shape: tuple[int, ...]
         out += varint(lo - prev_hi - 1) + varint(hi - lo)
         prev_hi = hi
         out.append(int(dense[c]) | (int(mag_mode[c]) << 1))
-        out += varint(int(cls_nev[c]))
+        out += varint(int(n_events[c]))
         if dense[c]:
-            out += varint(int(cls_nchg[c]))
+            out += varint(int(n_class_changes[c]))
         out += varint(int(cls_m[c]))
         if mag_mode[c] == 1:
-            out += varint(int(mag_par[c]))
+            out += varint(int(mag_m[c]))
         elif mag_mode[c] == 2:
-            out += varint(int(mag_par[c])) + b"".join(varint(int(x)) for x in tables[c])
+            out += varint(int(mag_T[c])) + b"".join(varint(int(x)) for x in tables[c])
     out += varint(int(nbits)) + bits_bytes + signs + varint(len(rans_bytes)) + rans_bytes
     return bytes(out), n_changed
 

@@ -3,12 +3,38 @@ and decoded into the layout the walk (or the select apply) reads."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from . import sign_model
 from .decode_kernels import SENTINEL, dec_flips, dec_streams
 from .jit import inline, kernel
 from .wire import FLAG_SIGN_MODEL, FLIP_STREAMS, MAX_T, SCALE
+
+
+class UlpLayout(NamedTuple):
+    """What :func:`parse_ulp` tells its caller about the arrays it left in the scratch (offsets
+    are into the int64 scratch unless they say u8)."""
+
+    need_i64: int       #: status 2: int64 scratch the payload needs
+    need_u8: int        #: status 2: uint8 scratch the payload needs
+    dense_first: int    #: internal id of the first dense class (n_sparse + 1)
+    walk_row_len: int   #: row length the walk steps by (n_elements when there are no row flags)
+    n_sparse: int       #: sparse classes (internal ids 0..n_sparse-1; n_sparse is "no class")
+    n_classes: int      #: K
+    n_event_slots: int  #: every class's events plus one sentinel each: ev = i64[:n_event_slots]
+    n_changed: int      #: vals = i64[n_event_slots:n_event_slots + n_changed]
+    n_rows: int         #: rows of the row flags (u8[:n_rows]); 0 without row flags
+    lut_at: int         #: the class lookup table, then cnt, evp, vp, vend, evend
+    predict: int        #: 1 if the signs are predicted (docs/FORMAT.md, "Predicted signs")
+    table_at: int       #: the sign model's 64-entry prediction table
+    row_len: int        #: row_len of the payload (the sign model's column count)
+    codes_at_u8: int    #: the sign model's row codes, then its column codes, in the u8 scratch
+
+
+#: :class:`UlpLayout` as the one-record array :func:`parse_ulp` writes by field name.
+LAYOUT = np.dtype([(name, np.int64) for name in UlpLayout._fields])
 
 
 @inline
@@ -52,11 +78,11 @@ def _unpack_codes(p, at, width, out):
 
 
 @kernel
-def parse_ulp(p, pos, n, exp_bits, max_mag, flags, i64s, u8s, sc):
+def parse_ulp(p, pos, n, exp_bits, max_mag, flags, i64s, u8s, layout):
     """Parse and validate a ULP body (p[pos:]) for a tensor of n elements and decode its streams
-    into the caller's scratch (i64s, u8s). Returns 1 (ready: sc describes the layout for the
-    pass), 2 (scratch too small: sc[0:2] = sizes needed, all validated), 0 (nothing changed) or a
-    negative error code. ``flags`` are the payload header's (FLAG_SIGN_MODEL: predicted signs).
+    into the caller's scratch (i64s, u8s). Returns 1 (ready: layout[0] describes the scratch for
+    the pass, see UlpLayout), 2 (scratch too small: layout[0]'s need_i64 and need_u8, all
+    validated), 0 (nothing changed) or a negative error code. ``flags`` are the payload header's (FLAG_SIGN_MODEL: predicted signs).
     Kept separate from the pass: inlined into this big function the hot loop runs ~2x slower."""
     E = 1 << exp_bits
     n_changed, pos = _rv(p, pos, n)
@@ -70,10 +96,10 @@ def parse_ulp(p, pos, n, exp_bits, max_mag, flags, i64s, u8s, sc):
     pos += 1
     if row_mode > 2:
         return -21
-    n_row_ev = 0
+    n_row_events = 0
     row_m = 1
     if row_mode:
-        n_row_ev, pos = _rv(p, pos, n_rows)
+        n_row_events, pos = _rv(p, pos, n_rows)
         row_m, pos = _rv(p, pos, 1 << 40)
         if pos < 0 or row_m < 1:
             return -22
@@ -83,17 +109,18 @@ def parse_ulp(p, pos, n, exp_bits, max_mag, flags, i64s, u8s, sc):
     cls_lo = np.empty(K, np.int64)
     cls_hi = np.empty(K, np.int64)
     dense = np.zeros(K, np.bool_)
-    cls_nev = np.zeros(K, np.int64)
-    cls_nchg = np.zeros(K, np.int64)
+    n_events = np.zeros(K, np.int64)
+    n_class_changes = np.zeros(K, np.int64)
     cls_m = np.ones(K, np.int64)
     mag_mode = np.zeros(K, np.int64)
-    mag_par = np.zeros(K, np.int64)
+    mag_m = np.zeros(K, np.int64)  # mode 1: the Golomb parameter of |step| - 1
+    mag_T = np.zeros(K, np.int64)  # mode 2: the rANS table's size
     freq_off = np.zeros(K, np.int64)
     freqs = np.zeros(K * MAX_T + 1, np.int64)
     fo = 0
     prev_hi = -1
-    sum_nev = 0
-    sum_nchg = 0
+    sum_events = 0
+    sum_changes = 0
     n_tables = 0
     for c in range(K):
         d, pos = _rv(p, pos, E)
@@ -113,17 +140,17 @@ def parse_ulp(p, pos, n, exp_bits, max_mag, flags, i64s, u8s, sc):
             return -25
         dense[c] = (cf & 1) == 1
         mag_mode[c] = cf >> 1
-        cls_nev[c], pos = _rv(p, pos, n)
+        n_events[c], pos = _rv(p, pos, n)
         if dense[c]:
-            cls_nchg[c], pos = _rv(p, pos, n)
+            n_class_changes[c], pos = _rv(p, pos, n)
         else:
-            cls_nchg[c] = cls_nev[c]
+            n_class_changes[c] = n_events[c]
         cls_m[c], pos = _rv(p, pos, 1 << 40)
-        if pos < 0 or cls_m[c] < 1 or cls_nchg[c] < 1:
+        if pos < 0 or cls_m[c] < 1 or n_class_changes[c] < 1:
             return -26
         if mag_mode[c] == 1:
-            mag_par[c], pos = _rv(p, pos, 1 << 40)
-            if pos < 0 or mag_par[c] < 1:
+            mag_m[c], pos = _rv(p, pos, 1 << 40)
+            if pos < 0 or mag_m[c] < 1:
                 return -27
         elif mag_mode[c] == 2:
             T, pos = _rv(p, pos, MAX_T)
@@ -138,15 +165,15 @@ def parse_ulp(p, pos, n, exp_bits, max_mag, flags, i64s, u8s, sc):
                 tot += f
             if tot != SCALE:
                 return -28
-            mag_par[c] = T
+            mag_T[c] = T
             freq_off[c] = fo
             fo += T
             n_tables += 1
-        sum_nev += cls_nev[c]
-        sum_nchg += cls_nchg[c]
-        if sum_nev > n or sum_nchg > n:
+        sum_events += n_events[c]
+        sum_changes += n_class_changes[c]
+        if sum_events > n or sum_changes > n:
             return -29
-    if sum_nchg != n_changed:
+    if sum_changes != n_changed:
         return -29
     nbits, pos = _rv(p, pos, np.int64(8) * p.size)
     if pos < 0:
@@ -156,7 +183,7 @@ def parse_ulp(p, pos, n, exp_bits, max_mag, flags, i64s, u8s, sc):
     model = (flags & FLAG_SIGN_MODEL) != 0
     # every gap code takes at least one bit, every change one raw sign bit: counts are bounded by
     # the payload's own length as well as by n before anything of their size is allocated
-    if nbytes_bits + (0 if model else n_sign) > p.size - pos or sum_nev + n_row_ev > nbits:
+    if nbytes_bits + (0 if model else n_sign) > p.size - pos or sum_events + n_row_events > nbits:
         return -30
     bits_at = pos
     pos += nbytes_bits
@@ -216,14 +243,15 @@ def parse_ulp(p, pos, n, exp_bits, max_mag, flags, i64s, u8s, sc):
         return 0 if (K == 0 and row_mode == 0 and nbits == 0) else -32
     # large per-change arrays live in caller-owned scratch (reused between calls: fresh pages
     # cost ~0.5 ms/MB in page faults); the small per-class ones are appended behind them
-    n_ev = sum_nev + K
+    n_ev = sum_events + K
     need64 = n_ev + 1 + n_changed + 1 + 6 * (K + 1) + 2 * E + 64 + (64 if model else 0)
     signs_at = (n_rows if row_mode else 0) + 1
     codes_at8 = signs_at + n_sign + 8
     need8 = codes_at8 + n_rows + row_len if model else signs_at
+    out = layout[0]
     if need64 > i64s.size or need8 > u8s.size:
-        sc[0] = need64
-        sc[1] = need8
+        out.need_i64 = need64
+        out.need_u8 = need8
         return 2
     words = np.zeros(nbytes_bits // 8 + 5, np.uint64)  # little-endian words (x86_64, aarch64)
     words.view(np.uint8)[:nbytes_bits] = p[bits_at:bits_at + nbytes_bits]
@@ -232,8 +260,8 @@ def parse_ulp(p, pos, n, exp_bits, max_mag, flags, i64s, u8s, sc):
     ev_off = np.zeros(K + 1, np.int64)
     val_off = np.zeros(K + 1, np.int64)
     for c in range(K):
-        ev_off[c + 1] = ev_off[c] + cls_nev[c] + 1
-        val_off[c + 1] = val_off[c] + cls_nchg[c]
+        ev_off[c + 1] = ev_off[c] + n_events[c] + 1
+        val_off[c + 1] = val_off[c] + n_class_changes[c]
     ev = i64s[:n_ev]
     vals = i64s[n_ev:n_ev + n_changed]
     row_dead = u8s[:n_rows] if row_mode else u8s[:1]
@@ -248,8 +276,9 @@ def parse_ulp(p, pos, n, exp_bits, max_mag, flags, i64s, u8s, sc):
         err = dec_flips(p, fl_at, fl_len, fl_freqs, n_sign, signs)
         if err:
             return err
-    err = dec_streams(words, nbits, n_rows, row_mode, n_row_ev, row_m, cls_nev, cls_m, ev, ev_off,
-                       mag_mode, mag_par, freqs, freq_off, val_off, cls_nchg, signs, rans, vals, row_dead, max_mag)
+    err = dec_streams(words, nbits, n_rows, row_mode, n_row_events, row_m, n_events, cls_m, ev, ev_off,
+                       mag_mode, mag_m, mag_T, freqs, freq_off, val_off, n_class_changes, signs, rans, vals, row_dead,
+                       max_mag)
     if err:
         return err
     # internal class ids: sparse classes 0..S-1, "no change" S, dense S+1..K
@@ -293,18 +322,18 @@ def parse_ulp(p, pos, n, exp_bits, max_mag, flags, i64s, u8s, sc):
         evend[j] = ev_off[c + 1]
         vp[j] = val_off[c]
         vend[j] = val_off[c + 1]
-    sc[0] = D
-    sc[1] = row_len if row_mode != 0 else max(n, 1)  # no row flags: one long row (cheaper loop)
-    sc[2] = S
-    sc[3] = K
-    sc[4] = n_ev
-    sc[5] = n_changed
-    sc[6] = n_rows if row_mode != 0 else 0
-    sc[7] = lut_at
-    sc[8] = 1 if model else 0
-    sc[9] = table_at
-    sc[10] = row_len
-    sc[11] = codes_at8
+    out.dense_first = D
+    out.walk_row_len = row_len if row_mode != 0 else max(n, 1)  # no row flags: one long row (cheaper loop)
+    out.n_sparse = S
+    out.n_classes = K
+    out.n_event_slots = n_ev
+    out.n_changed = n_changed
+    out.n_rows = n_rows if row_mode != 0 else 0
+    out.lut_at = lut_at
+    out.predict = 1 if model else 0
+    out.table_at = table_at
+    out.row_len = row_len
+    out.codes_at_u8 = codes_at8
     return 1
 
 
