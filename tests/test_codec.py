@@ -591,6 +591,43 @@ def test_v2_values_that_leave_the_float_range_are_rejected() -> None:
         codec.decode(old.view(np.uint8), bytes(payload), "BF16", 4)
 
 
+def _dense_predicted_sign_payload(n: int, row_len: int, flip_stream: bytes) -> bytes:
+    """A BF16 ULP payload (docs/FORMAT.md) declaring every one of n elements changed by one ULP:
+    one dense class over every exponent, no events, magnitude mode 0 (no bits), signs predicted
+    by a rank-1 model whose flips are four copies of ``flip_stream``."""
+    n_rows = n // row_len
+    body = _v(n) + _v(row_len) + b"\0" + _v(1)  # n_changed, row_len, row_mode 0, one class
+    body += _v(0) + _v(255) + b"\1" + _v(0) + _v(n) + _v(1)  # lo, span, dense mode 0, 0 events, n changes, m
+    body += _v(0)  # nbits: no bitstream
+    body += bytes([1 | 1 << 4]) + bytes((n_rows + 7) // 8 + (row_len + 7) // 8)  # rank 1, 1 bit; codes
+    body += b"".join(_v(f) for f in [4096 - 15] + [1] * 15)  # flip nibble table
+    body += (_v(len(flip_stream)) + flip_stream) * 4 + _v(0)  # four flip streams, no rANS
+    return wire.header(v2.METHOD_ULP, 2, n, v2.FLAG_SIGN_MODEL) + body
+
+
+def test_declared_changes_the_flip_streams_cannot_hold_are_refused_before_allocating() -> None:
+    """docs/SECURITY.md: counts are bounded by the payload, not only by the tensor. A few hundred
+    bytes declaring 4M predicted-sign changes (8 bytes of decoder state each: 32 MB) are refused
+    with CorruptDataError before the decoder allocates for them, and nothing large stays pooled."""
+    import tracemalloc
+
+    from delta_swap.codec.v2 import decoder
+
+    n = 1 << 22
+    payload = _dense_predicted_sign_payload(n, 2048, b"\0\0\1\0")  # each stream: only a final state
+    assert len(payload) < 1024
+    old = np.zeros(2 * n, np.uint8)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptDataError, match="flip"):
+            codec.decode_into(old, payload, "BF16")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20, peak  # the 32 MB of int64 scratch were never requested
+    assert all(s.i64.nbytes < 4 << 20 for s in decoder._POOL)
+
+
 def test_v2_zstd_bomb_plane_is_rejected() -> None:
     import zstandard
 

@@ -69,10 +69,12 @@ def _apply_ulp(p: np.ndarray, pos: int, elems: np.ndarray, dtype: str, flags: in
     exp_bits = FLOATS[dtype][2]
     full = (1 << (8 * elems.itemsize)) - 1
     scratch = _acquire()
+    err = -99
     try:
         err = _apply_ulp_with(scratch, p, pos, elems, dtype, exp_bits, full, flags)
     finally:
-        _release(scratch)
+        if err in (0, 1):  # a payload refused late may have grown the scratch: not kept for later
+            _release(scratch)
     if err not in (0, 1):
         raise CorruptDataError(f"corrupt v2 delta payload: {ERRORS.get(err, 'inconsistent')} (code {err})")
 

@@ -250,6 +250,11 @@ def parse_ulp(p, pos, n, exp_bits, max_mag, flags, i64s, u8s, layout):
     need8 = codes_at8 + n_rows + row_len if model else signs_at
     out = layout[0]
     if need64 > i64s.size or need8 > u8s.size:
+        if model:  # the flip streams' length bounds no count (a byte can hold many flips): they must
+            # decode to exactly n_changed signs before the caller allocates for that many changes
+            err = dec_flips(p, fl_at, fl_len, fl_freqs, n_sign, np.empty(n_sign, np.uint8))
+            if err:
+                return err
         out.need_i64 = need64
         out.need_u8 = need8
         return 2
