@@ -10,12 +10,20 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 
 from . import store_keys
 from .errors import ChainError, CorruptDataError, NotFoundError, SignatureError
-from .manifest import Manifest, SnapshotKind, check_snapshot_id, load_json, manifest_bytes_limit
+from .manifest import (
+    Manifest,
+    SnapshotKind,
+    check_snapshot_id,
+    load_json,
+    manifest_bytes_limit,
+    snapshot_id_for_step,
+)
 from .signing import MAX_SIGNATURE_BYTES, TrustedKeys
 from .stores import Store
 
@@ -23,6 +31,11 @@ log = logging.getLogger("delta_swap.chain")
 
 #: HEAD is a tiny JSON document; nothing larger is read.
 MAX_HEAD_BYTES = 4096
+#: Manifests one chain walk reads at once (the next link and the ids predicted below it).
+READ_AHEAD = 16
+#: The longest chain from a snapshot back to its base that a reader follows.
+MAX_CHAIN_LENGTH = 100_000
+_STEP_ID_RE = re.compile(r"step-(\d{1,19})")
 _warned_unauthenticated = False
 
 
@@ -104,16 +117,13 @@ class ChainReader:
         if cached is not None:
             self._cache.move_to_end(snapshot_id)
             return cached
-        data = await self.store.get(store_keys.manifest_key(snapshot_id), max_bytes=self.max_manifest_bytes)
+        data_read = self.store.get(store_keys.manifest_key(snapshot_id), max_bytes=self.max_manifest_bytes)
         if self.trusted is None:
             warn_unauthenticated_once()
-        else:
-            try:
-                signature = await self.store.get(store_keys.signature_key(snapshot_id), max_bytes=MAX_SIGNATURE_BYTES)
-            except NotFoundError:
-                raise SignatureError(f"snapshot {snapshot_id} is not signed") from None
-            await asyncio.to_thread(self.trusted.verify, data, signature, snapshot_id)
-        manifest = await asyncio.to_thread(Manifest.from_json, data, self.max_manifest_bytes)
+            data, signature = await data_read, None
+        else:  # both reads at once: a round trip less per manifest on a remote store
+            data, signature = await asyncio.gather(data_read, self._signature(snapshot_id))
+        manifest = await asyncio.to_thread(self._parse, snapshot_id, data, signature)
         if manifest.snapshot_id != snapshot_id:
             raise CorruptDataError(f"manifest at {snapshot_id} names itself {manifest.snapshot_id}")
         if self.trusted is not None and any(b.sha256 is None for b in (*manifest.shards, *manifest.files)):
@@ -122,6 +132,20 @@ class ChainReader:
         while len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
         return manifest
+
+    async def _signature(self, snapshot_id: str) -> bytes | None:
+        try:
+            return await self.store.get(store_keys.signature_key(snapshot_id), max_bytes=MAX_SIGNATURE_BYTES)
+        except NotFoundError:
+            return None
+
+    def _parse(self, snapshot_id: str, data: bytes, signature: bytes | None) -> Manifest:
+        """Verify (with trusted keys) and parse a manifest's bytes: one trip off the event loop."""
+        if self.trusted is not None:
+            if signature is None:
+                raise SignatureError(f"snapshot {snapshot_id} is not signed")
+            self.trusted.verify(data, signature, snapshot_id)
+        return Manifest.from_json(data, self.max_manifest_bytes)
 
     async def snapshot_ids(self) -> list[str]:
         """Ids of every committed snapshot (those with a manifest), in store order."""
@@ -139,13 +163,18 @@ class ChainReader:
         except NotImplementedError:
             head = await self.head()
             return [] if head is None else await self.path_to(head.snapshot_id)
-        manifests = []
-        for snapshot_id in ids:
-            try:
-                manifests.append(await self.manifest(snapshot_id))
-            except (CorruptDataError, NotFoundError):
-                if not skip_bad:
-                    raise
+        slots = asyncio.Semaphore(READ_AHEAD)
+
+        async def read(snapshot_id: str) -> Manifest | None:
+            async with slots:
+                try:
+                    return await self.manifest(snapshot_id)
+                except (CorruptDataError, NotFoundError):
+                    if not skip_bad:
+                        raise
+                    return None
+
+        manifests = [m for m in await asyncio.gather(*map(read, ids)) if m is not None]
         return sorted(manifests, key=lambda m: (m.step, m.kind is not SnapshotKind.BASE))
 
     async def latest_id(self) -> str | None:
@@ -156,34 +185,90 @@ class ChainReader:
     async def path_to(self, target_id: str, current_id: str | None = None) -> list[Manifest]:
         """Manifests to apply, oldest first, to reach ``target_id``.
 
-        From ``current_id`` when the deltas link up from it, else from the nearest base.
+        From ``current_id`` when the deltas link up from it, else from the nearest base; nothing
+        before that is read. Each manifest is read once, up to :data:`READ_AHEAD` at a time: while
+        one link is checked, the ids the chain's spacing predicts below it are already in flight.
         Raises ChainError when a delta's predecessor is missing, steps do not increase, or a delta
         follows a snapshot of another run (one without a run id, from before them, may start one).
         """
         if target_id == current_id:
             return []
         path: list[Manifest] = []
-        manifest = await self.manifest(target_id)
-        while True:
-            path.append(manifest)
-            if manifest.snapshot_id == current_id and len(path) > 1:
-                path.pop()  # already applied
-                break
-            if manifest.kind is SnapshotKind.BASE:
-                break
-            prev_id = manifest.prev_snapshot_id
-            assert prev_id is not None
-            try:
-                prev = await self.manifest(prev_id)
-            except NotFoundError:
-                raise ChainError(f"snapshot {manifest.snapshot_id} needs {prev_id}, which is not in the store") from None
-            if prev.step >= manifest.step:
-                raise ChainError(f"snapshot {manifest.snapshot_id} (step {manifest.step}) follows a later step {prev.step}")
-            if prev.run_id is not None and prev.run_id != manifest.run_id:
-                raise ChainError(f"snapshot {manifest.snapshot_id} of run {manifest.run_id} follows {prev_id} of "
-                                 f"another run, {prev.run_id}")
-            if len(path) > 100_000:
-                raise ChainError("snapshot chain does not end in a base")
-            manifest = prev
+        ahead = _ReadAhead(self, READ_AHEAD)
+        try:
+            manifest = await self.manifest(target_id)
+            floor = max(_step_of(manifest.base_snapshot_id) or 0, _step_of(current_id) or 0)
+            while True:
+                path.append(manifest)
+                if manifest.snapshot_id == current_id and len(path) > 1:
+                    path.pop()  # already applied
+                    break
+                if manifest.kind is SnapshotKind.BASE:
+                    break
+                prev_id = manifest.prev_snapshot_id
+                assert prev_id is not None
+                ahead.schedule_below(manifest, prev_id, floor)
+                try:
+                    prev = await ahead.take(prev_id)
+                except NotFoundError:
+                    raise ChainError(f"snapshot {manifest.snapshot_id} needs {prev_id}, which is not in the "
+                                     "store") from None
+                if prev.step >= manifest.step:
+                    raise ChainError(f"snapshot {manifest.snapshot_id} (step {manifest.step}) follows a later "
+                                     f"step {prev.step}")
+                if prev.run_id is not None and prev.run_id != manifest.run_id:
+                    raise ChainError(f"snapshot {manifest.snapshot_id} of run {manifest.run_id} follows {prev_id} "
+                                     f"of another run, {prev.run_id}")
+                if len(path) > MAX_CHAIN_LENGTH:
+                    raise ChainError("snapshot chain does not end in a base")
+                manifest = prev
+        finally:
+            await ahead.close()
         path.reverse()
         return path
+
+
+def _step_of(snapshot_id: str | None) -> int | None:
+    """The step a publisher's snapshot id names (``step-0000000042`` -> 42), else None."""
+    match = _STEP_ID_RE.fullmatch(snapshot_id or "")
+    return int(match.group(1)) if match else None
+
+
+class _ReadAhead:
+    """Manifest reads of one chain walk, at most ``width`` in flight: the predecessor the walk
+    needs next, and below it the ids that the chain's step spacing predicts. A prediction is a
+    guess: one that is never needed is cancelled, one that does not exist costs a missed read."""
+
+    def __init__(self, reader: ChainReader, width: int) -> None:
+        self.reader = reader
+        self.width = width
+        self.reads: dict[str, asyncio.Future[Manifest]] = {}
+
+    def _start(self, snapshot_id: str) -> None:
+        if snapshot_id not in self.reads:
+            self.reads[snapshot_id] = asyncio.ensure_future(self.reader.manifest(snapshot_id))
+
+    def schedule_below(self, manifest: Manifest, prev_id: str, floor: int) -> None:
+        """Start reading ``prev_id`` and the ids spaced like ``manifest`` -> ``prev_id`` below it,
+        down to step ``floor``; drop guesses the walk has passed."""
+        prev_step = _step_of(prev_id)
+        for snapshot_id in [i for i in self.reads if i != prev_id and (_step_of(i) or 0) >= (prev_step or 0)]:
+            self.reads.pop(snapshot_id).cancel()
+        self._start(prev_id)
+        if prev_step is None or _step_of(manifest.snapshot_id) != manifest.step or prev_step >= manifest.step:
+            return
+        stride = manifest.step - prev_step
+        step = prev_step - stride
+        while step >= floor and len(self.reads) < self.width:
+            self._start(snapshot_id_for_step(step))
+            step -= stride
+
+    async def take(self, snapshot_id: str) -> Manifest:
+        self._start(snapshot_id)
+        return await self.reads.pop(snapshot_id)
+
+    async def close(self) -> None:
+        for read in self.reads.values():
+            read.cancel()
+        await asyncio.gather(*self.reads.values(), return_exceptions=True)
+        self.reads.clear()

@@ -1,0 +1,84 @@
+"""A hostile bucket, round two (issue #29): bounded chain walks, a pull search that reads what it
+must and no more, and pulls that survive a kill between their renames. Real files on file://."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+
+from delta_swap import store_keys
+from delta_swap.chain import ChainReader
+from delta_swap.publisher import Publisher, PublisherConfig
+from delta_swap.signing import TrustedKeys, generate_keypair
+from delta_swap.stores import FileStore
+from tests.support.chains import rl_steps
+
+
+class CountingStore(FileStore):
+    """A file:// store that counts the reads of every key and the bytes they return."""
+
+    def __init__(self, root) -> None:
+        super().__init__(root, create=False)
+        self.reads: Counter[str] = Counter()
+        self.bytes_read = 0
+
+    async def get(self, key, start=None, end=None, *, max_bytes=None):
+        data = await super().get(key, start, end, max_bytes=max_bytes)
+        self.reads[key] += 1
+        self.bytes_read += len(data)
+        return data
+
+    def manifest_reads(self) -> Counter[str]:
+        return Counter({k.split("/")[1]: n for k, n in self.reads.items() if k.endswith("/manifest.json")})
+
+
+@pytest.fixture(scope="module")
+def key(tmp_path_factory) -> str:
+    return str(generate_keypair(tmp_path_factory.mktemp("keys") / "trainer.key")[0])
+
+
+def _publish(root, steps: list[int], key: str, bases: tuple[int, ...] = ()) -> None:
+    states = rl_steps(len(steps), seed=3)
+    with Publisher(str(root), PublisherConfig(base_every=10_000, signing_key=key)) as pub:
+        for step, state in zip(steps, states):
+            pub.publish(step, state, force_base=step in bases)
+
+
+def _walk(root, key: str, target: str | None = None, current: str | None = None):
+    store = CountingStore(root)
+    reader = ChainReader(store, TrustedKeys.load([f"{key}.pub"]))
+
+    async def run():
+        head = await reader.head()
+        return await reader.path_to(target or head.snapshot_id, current)
+
+    return asyncio.run(run()), store
+
+
+@pytest.mark.parametrize("steps", [list(range(40)), list(range(0, 400, 10)), [0, 1, 2, 5, 6, 13, 20, 21, 22, 40, 41, 60]])
+def test_chain_walk_reads_each_manifest_once_and_stops_at_the_nearest_base(tmp_path, key, steps):
+    """Whatever the spacing of the steps, a cold walk reads every manifest from the head back to
+    the nearest base exactly once (with its signature), and nothing below that base."""
+    base = steps[len(steps) // 2]
+    _publish(tmp_path, steps, key, bases=(steps[0], base))
+    path, store = _walk(tmp_path, key)
+    expected = [f"step-{s:010d}" for s in steps if s >= base]
+    assert [m.snapshot_id for m in path] == expected
+    assert path[0].kind == "base"
+    reads = store.manifest_reads()
+    assert {sid: reads[sid] for sid in expected} == {sid: 1 for sid in expected}
+    below = [f"step-{s:010d}" for s in steps if s < base]
+    assert not any(reads[sid] for sid in below), "read manifests below the nearest base"
+    assert all(store.reads[store_keys.signature_key(sid)] == 1 for sid in expected)
+
+
+def test_chain_walk_from_the_current_snapshot_reads_only_what_follows_it(tmp_path, key):
+    steps = list(range(30))
+    _publish(tmp_path, steps, key, bases=(0,))
+    path, store = _walk(tmp_path, key, current="step-0000000020")
+    assert [m.step for m in path] == list(range(21, 30))
+    reads = store.manifest_reads()
+    assert all(reads[f"step-{s:010d}"] == 1 for s in range(20, 30))
+    assert not any(reads[f"step-{s:010d}"] for s in range(20)), "read manifests below the current snapshot"
