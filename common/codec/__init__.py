@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import ConfigError, CorruptDataError
 from ..manifest import Encoding
 from . import v1
-from .inputs import raw_bytes
+from .inputs import Payload, payload_view, raw_bytes
 
 #: The codec version new payloads are written with.
 LATEST_VERSION = 2
@@ -69,9 +69,9 @@ def warm_up(encoder: bool = True) -> None:
     _v2().warm_up(encoder)
 
 
-def payload_version(payload: bytes | memoryview) -> int:
+def payload_version(payload: Payload) -> int:
     """The codec version (1 or 2) that wrote ``payload``, from its magic."""
-    magic = bytes(memoryview(payload)[:4])
+    magic = bytes(payload_view(payload)[:4])
     if magic not in _MAGICS:
         raise CorruptDataError(f"bad payload magic {magic!r}")
     return _MAGICS[magic]
@@ -111,14 +111,14 @@ def encode_tensor_delta(
 # --------------------------------------------------------------------------- decoder
 
 
-def payload_method(payload: bytes | memoryview) -> Encoding:
+def payload_method(payload: Payload) -> Encoding:
     """``Encoding.DELTA`` if the payload needs the previous tensor, else ``Encoding.FULL``."""
     if payload_version(payload) == 1:
         return v1.payload_method(payload)
     return Encoding.DELTA if _v2().payload_is_delta(payload) else Encoding.FULL
 
 
-def decode_into(out: np.ndarray, payload: bytes | memoryview, dtype: str) -> None:
+def decode_into(out: np.ndarray, payload: Payload, dtype: str) -> None:
     """Rebuild a tensor in place: ``out`` (raw bytes of ``dtype``) holds the previous tensor for a
     delta payload (anything for a full one) and receives the new bytes.
 
@@ -133,7 +133,7 @@ def decode_into(out: np.ndarray, payload: bytes | memoryview, dtype: str) -> Non
         _v2().decode_into(out, payload, dtype)
 
 
-def decode_full(payload: bytes | memoryview, dtype: str, nbytes: int) -> np.ndarray:
+def decode_full(payload: Payload, dtype: str, nbytes: int) -> np.ndarray:
     """Decode a full payload that must rebuild exactly ``nbytes`` bytes of ``dtype``."""
     if payload_method(payload) is not Encoding.FULL:
         raise CorruptDataError("expected a full payload, got a delta")
@@ -142,7 +142,7 @@ def decode_full(payload: bytes | memoryview, dtype: str, nbytes: int) -> np.ndar
     return out
 
 
-def decode(old: np.ndarray | None, payload: bytes | memoryview, dtype: str, nbytes: int) -> np.ndarray:
+def decode(old: np.ndarray | None, payload: Payload, dtype: str, nbytes: int) -> np.ndarray:
     """Rebuild exactly ``nbytes`` of ``dtype`` from a full payload, or a delta applied to ``old``
     (``old`` is not modified)."""
     if payload_method(payload) is Encoding.FULL:
@@ -157,7 +157,7 @@ def decode(old: np.ndarray | None, payload: bytes | memoryview, dtype: str, nbyt
     return out
 
 
-def decode_tensor_delta(old: np.ndarray | None, payload: bytes | memoryview, dtype: str) -> np.ndarray:
+def decode_tensor_delta(old: np.ndarray | None, payload: Payload, dtype: str) -> np.ndarray:
     """Rebuild the new tensor bytes from ``old`` and a payload made by :func:`encode_tensor_delta`.
 
     ``old`` may be None only for a full payload; then the size comes from the payload itself,
@@ -165,7 +165,7 @@ def decode_tensor_delta(old: np.ndarray | None, payload: bytes | memoryview, dty
     """
     if old is None:
         if payload_version(payload) == 1:
-            header = v1._read_header(memoryview(payload))
+            header = v1._read_header(payload_view(payload))
             return decode_full(payload, dtype, header.n_elements * header.width)
         return decode_full(payload, dtype, _v2().full_payload_nbytes(payload))
     return decode(old, payload, dtype, raw_bytes(old, "old").size)

@@ -37,7 +37,7 @@ import zstandard
 from ..dtypes import ORDERED_FLOAT_DTYPES, dtype_size
 from ..errors import ConfigError, CorruptDataError
 from ..manifest import Encoding
-from .inputs import raw_bytes
+from .inputs import Payload, payload_view, raw_bytes
 from .zstd_frames import check_frame, decompress_exact
 
 MAGIC = b"DSC1"
@@ -189,9 +189,9 @@ class _Header:
     n_changed: int
 
 
-def payload_method(payload: bytes | memoryview) -> Encoding:
+def payload_method(payload: Payload) -> Encoding:
     """``Encoding.DELTA`` if the payload needs the previous tensor, else ``Encoding.FULL``."""
-    return Encoding.DELTA if _read_header(memoryview(payload)).method == METHOD_DELTA else Encoding.FULL
+    return Encoding.DELTA if _read_header(payload_view(payload)).method == METHOD_DELTA else Encoding.FULL
 
 
 def _read_header(view: memoryview) -> _Header:
@@ -248,7 +248,7 @@ def _decode_section(coder: int, stored: memoryview, raw_len: int) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8)
 
 
-def decode_into(out: np.ndarray, payload: bytes | memoryview, dtype: str) -> None:
+def decode_into(out: np.ndarray, payload: Payload, dtype: str) -> None:
     """Rebuild a tensor in place: ``out`` (raw bytes of ``dtype``) holds the previous tensor for a
     delta payload (anything for a full one) and receives the new bytes.
 
@@ -256,7 +256,7 @@ def decode_into(out: np.ndarray, payload: bytes | memoryview, dtype: str) -> Non
     raises CorruptDataError and leaves ``out`` as it was.
     """
     out = raw_bytes(out, "out")
-    view = memoryview(payload)
+    view = payload_view(payload)
     header = _read_header(view)
     width = dtype_size(dtype)
     _check_shape(header, width, out.size)

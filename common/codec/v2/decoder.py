@@ -10,7 +10,7 @@ import numpy as np
 
 from ...dtypes import DTYPE_SIZES
 from ...errors import CorruptDataError
-from ..inputs import raw_bytes
+from ..inputs import Payload, payload_view, raw_bytes
 from . import select_apply
 from .decode_kernels import WALKS, check_consumed
 from .jit import readonly
@@ -115,9 +115,9 @@ def _apply_ulp_with(scratch: _Scratch, p: np.ndarray, pos: int, elems: np.ndarra
     return err
 
 
-def payload_is_delta(payload: bytes | memoryview) -> bool:
+def payload_is_delta(payload: Payload) -> bool:
     """Whether a v2 payload needs the previous tensor."""
-    view = memoryview(payload)
+    view = payload_view(payload)
     if len(view) < 8 or bytes(view[:4]) != MAGIC:
         raise CorruptDataError("bad v2 payload magic")
     if view[4] not in (METHOD_FULL, METHOD_ULP, METHOD_XOR):
@@ -125,9 +125,9 @@ def payload_is_delta(payload: bytes | memoryview) -> bool:
     return view[4] != METHOD_FULL
 
 
-def full_payload_nbytes(payload: bytes | memoryview) -> int:
+def full_payload_nbytes(payload: Payload) -> int:
     """The tensor size a v2 full payload rebuilds, from its header (planes validated, not decoded)."""
-    view = memoryview(payload).cast("B")
+    view = payload_view(payload).cast("B")
     if not payload_is_delta(view) and view[5] in UINT:
         rd = Reader(view)
         rd.p = 7
@@ -137,7 +137,7 @@ def full_payload_nbytes(payload: bytes | memoryview) -> int:
     raise CorruptDataError("not a v2 full payload")
 
 
-def decode_into(out: np.ndarray, payload: bytes | memoryview, dtype: str) -> None:
+def decode_into(out: np.ndarray, payload: Payload, dtype: str) -> None:
     """Rebuild a tensor in place: ``out`` (raw bytes of ``dtype``) holds the previous tensor for a
     delta payload (anything for a full one) and receives the new bytes.
 
@@ -146,7 +146,7 @@ def decode_into(out: np.ndarray, payload: bytes | memoryview, dtype: str) -> Non
     ``out`` was rewritten, so its content is then undefined.
     """
     out = raw_bytes(out, "out")
-    view = memoryview(payload).cast("B")
+    view = payload_view(payload).cast("B")
     if len(view) < 8 or bytes(view[:4]) != MAGIC:
         raise CorruptDataError("bad v2 payload magic")
     if dtype not in DTYPE_SIZES:

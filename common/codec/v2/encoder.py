@@ -226,7 +226,8 @@ def _encode_ulp(u: np.ndarray, v: np.ndarray, dtype: str, shape: tuple[int, ...]
         if mags.max() == 0:
             continue
         m2, gl = golomb_best_m(mags, max(1.0, 0.69 * mags.mean()))
-        best_bits, best = gl + 8 * len(varint(int(m2))), (1, int(m2), None)
+        best: tuple[int, int, np.ndarray | None] = (1, int(m2), None)
+        best_bits = gl + 8 * len(varint(int(m2)))
         mx = int(mags.max())
         for T in (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
             tb, f = _table_bits(mags, T)
@@ -234,13 +235,13 @@ def _encode_ulp(u: np.ndarray, v: np.ndarray, dtype: str, shape: tuple[int, ...]
                 best_bits, best = tb, (2, T, f)
             if T - 1 > mx:
                 break
-        mag_mode[c] = best[0]
-        if best[0] == 1:
-            mag_m[c] = best[1]
+        mode, param, table = best
+        mag_mode[c] = mode
+        if table is None:
+            mag_m[c] = param
         else:
-            mag_T[c] = best[1]
-        if best[0] == 2:
-            tables[c] = best[2]
+            mag_T[c] = param
+            tables[c] = table
     freq_off = np.zeros(K, np.int64)
     flist = []
     o = 0

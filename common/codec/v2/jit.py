@@ -59,7 +59,7 @@ def _key_caches_on_the_package() -> None:
     digest = sources_digest(here)
 
     def stamped(base: type) -> type:
-        class PackageLocator(base):  # type: ignore[misc, valid-type]
+        class PackageLocator(base):
             @classmethod
             def from_function(cls, py_func, py_file):
                 if Path(py_file).resolve().parent != here:
@@ -95,6 +95,6 @@ def readonly(arr: np.ndarray, dtype: type) -> np.ndarray:
     """A read-only view: numba compiles one specialisation per array mutability, so every
     input reaches the kernels read-only (bytes, mmapped files and writable arrays alike) and
     the kernels warm_up compiled are the ones real payloads use."""
-    view = arr.view(dtype)
+    view: np.ndarray = arr.view(dtype)
     view.flags.writeable = False
     return view

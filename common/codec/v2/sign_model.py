@@ -187,7 +187,7 @@ def fit(signs: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> tuple[SignMode
                                                                                         model.bits)
         if bits < best_bits:
             best, best_bits, best_pred = model, bits, pred
-    if best is None or best_bits > n - 8 * 64:  # worth it only if it saves 64 bytes or more
+    if best is None or best_pred is None or best_bits > n - 8 * 64:  # worth it if it saves 64 bytes
         return None
     return best, best_pred
 
