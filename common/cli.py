@@ -14,22 +14,30 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 from . import store_keys
-from .chain import ChainReader
+from .chain import READ_AHEAD, ChainReader
 from .checkpoint_dir import PULL_MARKER, install_checkpoint, is_side_file, read_checkpoint_dir
 from .checksum import verify_blob
 from .codec_warm_up import WARM_UP_THREAD
-from .errors import ChainError, CorruptDataError, DeltaSwapError, NotFoundError, RollbackError
+from .errors import (
+    ChainError,
+    CorruptDataError,
+    DeltaSwapError,
+    IncompatibleSnapshotError,
+    NotFoundError,
+    RollbackError,
+)
 from .freshness import Seen, refuse_going_back
 from .manifest import Manifest
 from .publisher import Publisher, PublisherConfig
-from .rebuild import rebuild
+from .rebuild import Meter, replay
 from .signing import TrustedKeys, generate_keypair, split_paths
 from .stores import Store, open_store
+from .tensors import StateDict
 
 log = logging.getLogger("delta_swap.cli")
 
@@ -99,17 +107,24 @@ async def _pull(args: argparse.Namespace) -> tuple[Manifest, int]:
     try:
         reader = ChainReader(store, _trusted(args))
         with _progress("fetch", None, not args.quiet) as update:
+            target = args.snapshot or await reader.latest_id()
+            if target is None:
+                raise ChainError(f"store {store.public_url} has no snapshots")
+            if not args.allow_older:
+                refuse_going_back(await reader.manifest(target), _earlier_pull(args.out),
+                                  f"the pull in {args.out}", "pass --allow-older to replace it anyway")
             try:
-                target = args.snapshot or await reader.latest_id()
-                if target is not None and not args.allow_older:
-                    refuse_going_back(await reader.manifest(target), _earlier_pull(args.out),
-                                      f"the pull in {args.out}", "pass --allow-older to replace it anyway")
-                manifest, state, path = await rebuild(store, target, reader=reader, progress=update,
-                                                      max_model_bytes=args.max_model_bytes)
+                path = await reader.path_to(target)
+                state = await _rebuild_path(reader, path, update, args.max_model_bytes)
+            except _Unbuildable as failed:
+                if args.snapshot is not None:
+                    raise failed.error from None
+                raise await _name_the_newest_good(reader, target, failed, args.max_model_bytes) from None
             except (CorruptDataError, ChainError, NotFoundError) as exc:
                 if args.snapshot is not None or isinstance(exc, RollbackError):
                     raise
-                raise await _name_the_newest_good(reader, exc, args.max_model_bytes) from None
+                raise await _name_the_newest_good(reader, target, _Unbuildable(exc), args.max_model_bytes) from None
+        manifest = path[-1]
         files = await _side_files(reader, path)
         marker = {"snapshot_id": manifest.snapshot_id, "step": manifest.step, "run_id": manifest.run_id,
                   "store": store.public_url, "pulled_at": time.time()}
@@ -130,22 +145,118 @@ def _earlier_pull(out: str) -> Seen | None:
         return None
 
 
-async def _name_the_newest_good(reader: ChainReader, exc: DeltaSwapError, max_model_bytes: int | None,
+class _Unbuildable(Exception):
+    """A path that failed to rebuild: the error, the snapshot that failed and the newest one
+    before it that did rebuild (decoded and verified) on the way."""
+
+    def __init__(self, error: DeltaSwapError, failed: str | None = None, good: Manifest | None = None) -> None:
+        super().__init__(str(error))
+        self.error, self.failed, self.good = error, failed, good
+
+
+async def _rebuild_path(reader: ChainReader, path: list[Manifest], progress: Callable[[int], None] | None,
+                        max_model_bytes: int | None) -> StateDict:
+    """Replay ``path`` (from a base) one snapshot at a time; raises :class:`_Unbuildable` naming
+    the snapshot that failed and the last one that rebuilt."""
+    for manifest in path:
+        if max_model_bytes is not None and manifest.model_bytes > max_model_bytes:
+            raise IncompatibleSnapshotError(f"snapshot {manifest.snapshot_id} holds {manifest.model_bytes} bytes of "
+                                            f"tensors, more than the {max_model_bytes} allowed")
+    state: StateDict | None = None
+    for i, manifest in enumerate(path):
+        try:
+            state = await replay(reader, [manifest], state, meter=Meter(progress=progress))
+        except (CorruptDataError, ChainError, NotFoundError, IncompatibleSnapshotError) as exc:
+            raise _Unbuildable(exc, manifest.snapshot_id, path[i - 1] if i else None) from None
+    assert state is not None
+    return state
+
+
+#: The pull search downloads at most this many times the model's size (a failed pull's own
+#: download does not count: what it rebuilt before the failure is already known to be good).
+SEARCH_BYTES_FACTOR = 2
+
+
+async def _name_the_newest_good(reader: ChainReader, target: str, failed: _Unbuildable, max_model_bytes: int | None,
                                 tries: int = 20) -> DeltaSwapError:
-    """The error to report when the head cannot be rebuilt: it names the newest snapshot that can."""
+    """The error to report when ``target`` cannot be rebuilt: it names the newest snapshot that can.
+
+    Candidates are the store's snapshots older than the target (newest first; those a listing
+    names but that do not read as manifests are skipped), else the target's own path. The
+    snapshot before the one that failed already rebuilt; a newer candidate is rebuilt only when
+    its manifests, chain and shard sizes check out and its path avoids every snapshot that failed,
+    at most once each, within :data:`SEARCH_BYTES_FACTOR` times the model's size in all."""
+    exc = failed.error
+    bad = {failed.failed} if failed.failed else set()
+    found = failed.good
     try:
-        head = await reader.head()
+        head: Manifest | None = await reader.manifest(target)
     except DeltaSwapError:
         head = None
-    newest = [m for m in await reader.list(skip_bad=True) if head is None or m.step < head.step]
-    for manifest in sorted(newest, key=lambda m: -m.step)[:tries]:
+    spent = 0
+    for manifest in (await _candidates(reader, head and head.step))[:tries]:
+        budget = SEARCH_BYTES_FACTOR * (head or manifest).model_bytes
+        if found is not None and manifest.step <= found.step:
+            break
         try:
-            await rebuild(reader.store, manifest.snapshot_id, reader=reader, max_model_bytes=max_model_bytes)
+            path = await reader.path_to(manifest.snapshot_id)
+            if bad & {m.snapshot_id for m in path}:
+                continue
+            await _check_shard_sizes(reader.store, path)
         except DeltaSwapError:
             continue
-        return type(exc)(f"{exc}; the newest snapshot that rebuilds is {manifest.snapshot_id}: "
-                         f"pull it with --snapshot {manifest.snapshot_id}")
-    return type(exc)(f"{exc}; no older snapshot rebuilds either")
+        cost = sum(m.payload_bytes for m in path)
+        if spent + cost > budget:
+            continue
+        spent += cost
+        try:
+            await _rebuild_path(reader, path, None, max_model_bytes)
+        except _Unbuildable as again:
+            bad.add(again.failed or manifest.snapshot_id)
+            if again.good is not None and (found is None or again.good.step > found.step):
+                found = again.good
+            continue
+        except DeltaSwapError:
+            continue
+        found = manifest
+        break
+    if found is None:
+        return type(exc)(f"{exc}; no older snapshot rebuilds either")
+    return type(exc)(f"{exc}; the newest snapshot that rebuilds is {found.snapshot_id}: "
+                     f"pull it with --snapshot {found.snapshot_id}")
+
+
+async def _candidates(reader: ChainReader, below: int | None) -> list[Manifest]:
+    """Snapshots below step ``below`` whose manifests read and verify, newest first; anything
+    else a listing names (junk, a link out of the store, a folder) is skipped."""
+    try:
+        ids = await reader.snapshot_ids()
+    except (DeltaSwapError, NotImplementedError):
+        return []
+    slots = asyncio.Semaphore(READ_AHEAD)
+
+    async def read(snapshot_id: str) -> Manifest | None:
+        async with slots:
+            try:
+                return await reader.manifest(snapshot_id)
+            except DeltaSwapError:
+                return None
+
+    manifests = [m for m in await asyncio.gather(*map(read, ids)) if m is not None]
+    return sorted((m for m in manifests if below is None or m.step < below), key=lambda m: -m.step)
+
+
+async def _check_shard_sizes(store: Store, path: list[Manifest]) -> None:
+    """Raise unless every shard of ``path`` is in the store with the size its manifest lists
+    (sizes only: nothing is downloaded)."""
+    for manifest in path:
+        for shard in manifest.shards:
+            size = await store.size(store_keys.shard_key(manifest.snapshot_id, shard.name))
+            if size is None:
+                raise NotFoundError(f"shard {shard.name} of {manifest.snapshot_id} is missing")
+            if size >= 0 and size != shard.size:
+                raise CorruptDataError(f"shard {shard.name} of {manifest.snapshot_id} has {size} bytes, "
+                                       f"expected {shard.size}")
 
 
 async def _side_files(reader: ChainReader, path: list[Manifest]) -> dict[str, bytes]:

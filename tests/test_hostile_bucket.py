@@ -82,3 +82,70 @@ def test_chain_walk_from_the_current_snapshot_reads_only_what_follows_it(tmp_pat
     reads = store.manifest_reads()
     assert all(reads[f"step-{s:010d}"] == 1 for s in range(20, 30))
     assert not any(reads[f"step-{s:010d}"] for s in range(20)), "read manifests below the current snapshot"
+
+
+# ---------------------------------------------------------------------- pull's search
+
+
+def _flip_shard(root, step: int) -> None:
+    shard = next((root / "snapshots" / f"step-{step:010d}").glob("shard-*"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+
+
+def _pull(monkeypatch, root, out, key: str) -> tuple[int, CountingStore]:
+    """``delta-swap pull`` in this process, over a CountingStore of ``root``."""
+    from delta_swap import cli
+
+    store = CountingStore(root)
+    monkeypatch.setattr(cli, "open_store", lambda url: store)
+    code = cli.main(["pull", "--store", str(root), "--out", str(out), "--trusted-key", f"{key}.pub", "--quiet"])
+    return code, store
+
+
+def _shard_reads(store: CountingStore) -> Counter[str]:
+    return Counter({k: n for k, n in store.reads.items() if "/shard-" in k})
+
+
+def _payload(root, steps) -> int:
+    return sum(f.stat().st_size for s in steps for f in (root / "snapshots" / f"step-{s:010d}").glob("shard-*"))
+
+
+def test_pull_search_reuses_what_the_failed_pull_rebuilt(tmp_path, key, monkeypatch, capsys):
+    """A corrupt delta under the head: the error names the snapshot before it, and no shard is
+    downloaded twice to find that out."""
+    root = tmp_path / "store"
+    _publish(root, list(range(10)), key, bases=(0,))
+    _flip_shard(root, 7)
+    code, store = _pull(monkeypatch, root, tmp_path / "out", key)
+    err = capsys.readouterr().err
+    assert code == 1 and "mismatch" in err and "the newest snapshot that rebuilds is step-0000000006" in err, err
+    assert max(_shard_reads(store).values()) == 1
+    assert store.bytes_read <= _payload(root, range(8)) + 64 * 1024  # shards up to the bad one, plus manifests
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("junk", ["not json", "link", "directory"])
+def test_a_junk_manifest_does_not_stop_the_search(tmp_path, key, monkeypatch, capsys, junk):
+    """Junk under snapshots/ (a manifest that is not JSON, a link out of the store, a folder in
+    a manifest's place), newer than every good snapshot, is skipped; a broken base is searched
+    past, rebuilding the older chain once, within the search's byte bound."""
+    root = tmp_path / "store"
+    _publish(root, list(range(8)), key, bases=(0, 5))
+    _flip_shard(root, 5)  # the head's base: nothing on the head's path rebuilds
+    bad = root / "snapshots" / "step-0000000006x"
+    bad.mkdir()
+    if junk == "not json":
+        (bad / "manifest.json").write_text("{not json")
+    elif junk == "link":
+        (tmp_path / "outside.json").write_text("{}")
+        (bad / "manifest.json").symlink_to(tmp_path / "outside.json")
+    else:
+        (bad / "manifest.json").mkdir()
+    code, store = _pull(monkeypatch, root, tmp_path / "out", key)
+    err = capsys.readouterr().err
+    assert code == 1 and "the newest snapshot that rebuilds is step-0000000004" in err, err
+    assert max(_shard_reads(store).values()) == 1
+    model = sum(t.nbytes for t in rl_steps(1, seed=3)[0].values())
+    assert store.bytes_read <= _payload(root, [5]) + 2 * model + 64 * 1024
