@@ -50,6 +50,7 @@ def install(app: Any, server_args: Any) -> None:
         return
     if (getattr(server_args, "tokenizer_worker_num", 1) or 1) > 1:
         raise ConfigError("delta_swap needs one tokenizer process: drop --tokenizer-worker-num")
+    refuse_unsupported(server_args)
     original = app.router.lifespan_context
 
     @asynccontextmanager
@@ -64,6 +65,37 @@ def install(app: Any, server_args: Any) -> None:
     app.router.lifespan_context = lifespan
 
 
+def refuse_unsupported(server_args: Any) -> None:
+    """Refuse, when the server starts and with one line, what delta-swap cannot keep exact yet:
+    data and pipeline parallel, quantized servers, LoRA adapters, multimodal models (tensor
+    parallel is supported)."""
+    if (getattr(server_args, "dp_size", 1) or 1) > 1:
+        raise ConfigError("delta_swap supports --dp-size 1 (SGLang's tensor weight update does too)")
+    if (getattr(server_args, "pp_size", 1) or 1) > 1:
+        raise ConfigError("delta_swap does not support --pp-size > 1 yet")
+    quantization = getattr(server_args, "quantization", None)
+    if quantization:
+        raise ConfigError(f"delta_swap does not support quantized servers yet (--quantization {quantization}: "
+                          "the engine would hold re-quantized weights, not the published ones); serve bf16/fp16")
+    if getattr(server_args, "enable_lora", None) or getattr(server_args, "lora_paths", None):
+        raise ConfigError("delta_swap does not support LoRA adapters yet (--enable-lora / --lora-paths: base "
+                          "weights under loaded adapters are not verified); serve without LoRA")
+    if getattr(server_args, "enable_multimodal", None) or _is_multimodal(getattr(server_args, "model_path", None)):
+        raise ConfigError("delta_swap does not support multimodal models yet (the vision tower and its "
+                          "processor are not covered by the swap's checks)")
+
+
+def _is_multimodal(model_path: str | None) -> bool:
+    """Whether a local checkpoint's config names a vision or audio tower."""
+    import json
+
+    try:
+        config = json.loads((Path(model_path or "") / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and any(k in config for k in ("vision_config", "audio_config"))
+
+
 async def _adapter(settings: Settings, state: Any) -> Any:
     from sglang.srt.entrypoints.http_server import get_global_state
     from sglang.srt.runtime_context import get_parallel
@@ -72,8 +104,6 @@ async def _adapter(settings: Settings, state: Any) -> Any:
     from .staging import served_model
     from .versions import instrument
 
-    if get_parallel().dp_size != 1:
-        raise ConfigError("delta_swap supports --dp-size 1 (SGLang's tensor weight update does too)")
     tokenizer_manager = get_global_state().tokenizer_manager
     # Weight-version spans for the OpenAI-compatible routes, and version-salted radix caching.
     instrument(tokenizer_manager, lambda: service.served_version(state))

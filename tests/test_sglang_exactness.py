@@ -18,8 +18,13 @@ pytestmark = pytest.mark.engine
 
 
 class SglangExactness(TinyModelExactness):
+    #: Extra SGLang arguments and environment (the same for the plugin server and the references).
+    extra: tuple[str, ...] = ()
+    env: dict[str, str] = {}
+
     def start_server(self, model: Path, workdir: Path, settings: Mapping[str, object], log_name: str) -> Server:
-        return sglang_server.start(model, workdir, settings=settings, served_name="tiny", log_name=log_name)
+        return sglang_server.start(model, workdir, settings=settings, served_name="tiny", log_name=log_name,
+                                   extra=self.extra, env=self.env)
 
     def prompt_logprobs(self, url: str, prompt: list[int]) -> list[object]:
         body = {"input_ids": prompt, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 1,
@@ -48,3 +53,12 @@ class TestQwen3TiedArena(SglangExactness):
 
 class TestQwen3MoeArena(SglangExactness):
     family, swap_path = "qwen3_moe", "arena"
+
+
+class TestQwen3TiedTensorTP2(SglangExactness):
+    """Two tensor-parallel ranks on two cores (SGLang CPU binds one core per rank when told to):
+    SGLang's tensor update shards each published tensor for its rank."""
+
+    family, swap_path = "qwen3", "reload"
+    extra = ("--tp-size", "2")
+    env = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}

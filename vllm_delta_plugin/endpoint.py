@@ -29,7 +29,7 @@ class DeltaSwapEndpoint:
         settings = Settings.load()
         adapter = None
         if settings.store:
-            refuse_parallel_layouts(engine_client.vllm_config.parallel_config)
+            refuse_unsupported(engine_client.vllm_config)
             backend = getattr(engine_client.vllm_config.weight_transfer_config, "backend", None)
             if backend != BACKEND_NAME:
                 raise ConfigError("delta_swap needs vLLM's weight-transfer backend: add "
@@ -40,10 +40,28 @@ class DeltaSwapEndpoint:
         service.start(state, settings, adapter)
 
 
+def refuse_unsupported(vllm_config: Any) -> None:
+    """Refuse, when the server starts and with one line, what delta-swap cannot keep exact yet
+    (:func:`refuse_parallel_layouts`, and servers whose weights are not the published tensors:
+    quantized, with LoRA adapters, multimodal), instead of serving something else silently."""
+    refuse_parallel_layouts(vllm_config.parallel_config)
+    model = getattr(vllm_config, "model_config", None)
+    quantization = getattr(model, "quantization", None)
+    if quantization:
+        raise ConfigError(f"delta_swap does not support quantized servers yet (--quantization {quantization}: "
+                          "the engine would hold re-quantized weights, not the published ones); serve bf16/fp16")
+    if getattr(vllm_config, "lora_config", None) is not None:
+        raise ConfigError("delta_swap does not support --enable-lora yet (base weights under loaded adapters "
+                          "are not verified); serve without LoRA")
+    if getattr(model, "is_multimodal_model", False):
+        raise ConfigError("delta_swap does not support multimodal models yet (the vision tower and its "
+                          "processor are not covered by the swap's checks)")
+
+
 def refuse_parallel_layouts(parallel: Any) -> None:
-    """Refuse, when the server starts, the layouts delta-swap cannot keep exact yet: data parallel
-    (every API server would run its own subscriber and swap the same engines) and pipeline parallel
-    (not tested). Tensor parallel is supported."""
+    """Refuse the layouts delta-swap cannot keep exact yet: data parallel (every API server would
+    run its own subscriber and swap the same engines) and pipeline parallel (not tested). Tensor
+    parallel is supported."""
     if getattr(parallel, "data_parallel_size", 1) > 1:
         raise ConfigError("delta_swap does not support --data-parallel-size > 1 yet (each API server would swap "
                           "the engines on its own); run one server per replica")

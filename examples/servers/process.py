@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -19,6 +19,20 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def with_freshness_record(settings: Mapping[str, object] | None, workdir: Path) -> dict[str, object] | None:
+    """``settings`` with the server's freshness record (the newest snapshot it verified, which it
+    never goes back from) kept in ``workdir``, one file per store, unless they name one. By
+    default a server keeps it in its staging dir (/dev/shm), shared by every server on the host:
+    a store made again at the same path for a new run (a rerun of a test, a demo) would be refused
+    there as another run."""
+    if not settings or not settings.get("store") or settings.get("freshness_file"):
+        return dict(settings) if settings is not None else None
+    import hashlib
+
+    digest = hashlib.sha256(str(settings["store"]).encode()).hexdigest()[:16]
+    return {**settings, "freshness_file": str(workdir / f"delta-swap-freshness-{digest}.json")}
 
 
 def device() -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from delta_swap.settings import Settings
 
-from .process import GPU_MEMORY_FRACTION, ROOT, Server, device, free_port, launch_server
+from .process import GPU_MEMORY_FRACTION, ROOT, Server, device, free_port, launch_server, with_freshness_record
 
 
 @cache
@@ -64,6 +64,7 @@ def start(model: Path, workdir: Path, *, settings: Mapping[str, object] | None =
     loopback, it listens on every address."""
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
+    settings = with_freshness_record(settings, workdir)
     full_env = {**environment(plugin=plugin, shim_log=shim_log), **(env or {})}
     argv = command(model, port, served_name=served_name, settings=settings if plugin else None, extra=extra,
                    bind="127.0.0.1" if host == "127.0.0.1" else "0.0.0.0")

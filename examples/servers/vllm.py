@@ -14,7 +14,7 @@ from pathlib import Path
 
 from delta_swap.settings import Settings
 
-from .process import GPU_MEMORY_FRACTION, Server, device, free_port, launch_server
+from .process import GPU_MEMORY_FRACTION, Server, device, free_port, launch_server, with_freshness_record
 
 
 def command(model: Path, port: int, *, served_name: str = "model", plugin: bool = True,
@@ -49,6 +49,7 @@ def start(model: Path, workdir: Path, *, settings: Mapping[str, object] | None =
     loopback, it listens on every address."""
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
+    settings = with_freshness_record(settings, workdir)
     full_env = {**environment(workdir, plugin=plugin, settings=settings), **(env or {})}
     argv = command(model, port, served_name=served_name, plugin=plugin, extra=extra,
                    bind="127.0.0.1" if host == "127.0.0.1" else "0.0.0.0")
