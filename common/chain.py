@@ -8,6 +8,7 @@ before they are parsed, and parsing runs off the event loop.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import json
 import logging
 import re
@@ -182,7 +183,7 @@ class ChainReader:
         head = await self.head()
         return None if head is None else head.snapshot_id
 
-    async def path_to(self, target_id: str, current_id: str | None = None) -> list[Manifest]:
+    async def path_to(self, target_id: str, current_id: str | None = None) -> builtins.list[Manifest]:
         """Manifests to apply, oldest first, to reach ``target_id``.
 
         From ``current_id`` when the deltas link up from it, else from the nearest base; nothing
