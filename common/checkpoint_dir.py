@@ -10,6 +10,7 @@ the place of the previous pull in one rename.
 from __future__ import annotations
 
 import ctypes
+import glob
 import json
 import mmap
 import os
@@ -125,9 +126,11 @@ def install_checkpoint(out: str | os.PathLike[str], state: StateDict, files: dic
 
     ``out`` must be absent, empty, or an earlier pull (it carries :data:`PULL_MARKER`); anything
     else is refused unless ``force``. The new folder is written beside ``out`` and swapped in
-    with one atomic exchange where the kernel has it (two renames elsewhere).
+    with one atomic exchange where the kernel has it (two renames elsewhere: a pull killed
+    between them is finished by the next one, see :func:`recover_install`).
     """
     target = Path(out).absolute()
+    recover_install(target)
     if target.exists() and not target.is_dir():
         raise ConfigError(f"{target} exists and is not a folder")
     if target.is_dir() and any(target.iterdir()) and not (target / PULL_MARKER).is_file() and not force:
@@ -150,6 +153,34 @@ def install_checkpoint(out: str | os.PathLike[str], state: StateDict, files: dic
         raise
     shutil.rmtree(staging, ignore_errors=True)  # now the previous pull
     return target
+
+
+def recover_install(out: str | os.PathLike[str]) -> Path | None:
+    """Finish a pull that was killed between its two renames (kernels without ``renameat2``).
+
+    Then ``out`` is missing, the new pull (complete: its marker is written last) waits beside it
+    in ``.<name>.pulling-*`` and the previous one in ``.<name>.pulling-*.old``. The newest complete
+    pull found there takes ``out``'s place, and the previous one it replaced is removed. Returns
+    the folder it put in place (None when ``out`` exists or nothing was left over)."""
+    target = Path(out).absolute()
+    if target.exists() or target.is_symlink() or not target.parent.is_dir():
+        return None
+    found = []
+    for leftover in target.parent.glob(f".{glob.escape(target.name)}.pulling-*"):
+        marker = leftover / PULL_MARKER
+        if leftover.is_dir() and not leftover.is_symlink() and marker.is_file():
+            try:
+                pulled_at = float(json.loads(marker.read_text()).get("pulled_at", 0))
+            except (OSError, ValueError, AttributeError, TypeError):
+                continue
+            found.append((leftover.suffix != ".old", pulled_at, leftover))
+    if not found:
+        return None
+    _, _, best = max(found)
+    os.rename(best, target)
+    if best.suffix != ".old":
+        shutil.rmtree(best.with_name(best.name + ".old"), ignore_errors=True)
+    return best
 
 
 def _exchange(a: Path, b: Path) -> bool:

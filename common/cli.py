@@ -20,7 +20,7 @@ from pathlib import Path
 
 from . import store_keys
 from .chain import READ_AHEAD, ChainReader
-from .checkpoint_dir import PULL_MARKER, install_checkpoint, is_side_file, read_checkpoint_dir
+from .checkpoint_dir import PULL_MARKER, install_checkpoint, is_side_file, read_checkpoint_dir, recover_install
 from .checksum import verify_blob
 from .codec_warm_up import WARM_UP_THREAD
 from .errors import (
@@ -110,6 +110,7 @@ async def _pull(args: argparse.Namespace) -> tuple[Manifest, int]:
             target = args.snapshot or await reader.latest_id()
             if target is None:
                 raise ChainError(f"store {store.public_url} has no snapshots")
+            recover_install(args.out)  # a pull killed between its renames: its marker counts below
             if not args.allow_older:
                 refuse_going_back(await reader.manifest(target), _earlier_pull(args.out),
                                   f"the pull in {args.out}", "pass --allow-older to replace it anyway")

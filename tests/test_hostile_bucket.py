@@ -149,3 +149,52 @@ def test_a_junk_manifest_does_not_stop_the_search(tmp_path, key, monkeypatch, ca
     assert max(_shard_reads(store).values()) == 1
     model = sum(t.nbytes for t in rl_steps(1, seed=3)[0].values())
     assert store.bytes_read <= _payload(root, [5]) + 2 * model + 64 * 1024
+
+
+# ---------------------------------------------------------------------- a pull killed between its renames
+
+_KILLED_BETWEEN_RENAMES = """
+import os, signal, sys
+from delta_swap import checkpoint_dir
+from delta_swap.cli import main
+
+checkpoint_dir._exchange = lambda a, b: False  # a kernel without renameat2
+renames = []
+real_rename = os.rename
+
+def rename(src, dst):
+    renames.append((src, dst))
+    if len(renames) == 2:  # the old pull moved aside, the new one not yet in place
+        os.kill(os.getpid(), signal.SIGKILL)
+    real_rename(src, dst)
+
+checkpoint_dir.os.rename = rename
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_pull_killed_between_its_renames_is_finished_by_the_next_one(tmp_path, key):
+    """SIGKILL between ``out -> .old`` and ``new -> out``: ``out`` is gone for a moment; the next
+    pull puts the new pull in its place (so an older step is still refused) and leaves nothing
+    behind."""
+    import json
+    import subprocess
+    import sys
+
+    from delta_swap.checkpoint_dir import PULL_MARKER
+
+    root, out = tmp_path / "store", tmp_path / "out"
+    _publish(root, list(range(3)), key, bases=(0,))
+    pull = ["pull", "--store", str(root), "--out", str(out), "--trusted-key", f"{key}.pub", "--quiet"]
+    assert subprocess.run([sys.executable, "-m", "delta_swap.cli", *pull, "--snapshot", "step-0000000001"]).returncode == 0
+    killed = subprocess.run([sys.executable, "-c", _KILLED_BETWEEN_RENAMES, *pull])
+    assert killed.returncode == -9
+    assert not out.exists()
+    leftovers = sorted(p.name.rsplit(".", 1)[-1] for p in tmp_path.glob(".out.pulling-*"))
+    assert len(leftovers) == 2 and leftovers[0] == "old", leftovers
+    older = subprocess.run([sys.executable, "-m", "delta_swap.cli", *pull, "--snapshot", "step-0000000000"],
+                           capture_output=True, text=True)
+    assert older.returncode == 1 and "older" in older.stderr, older.stderr
+    assert json.loads((out / PULL_MARKER).read_text())["snapshot_id"] == "step-0000000002"
+    assert (out / "model.safetensors").is_file()
+    assert not list(tmp_path.glob(".out.pulling-*"))
