@@ -143,3 +143,70 @@ async def test_two_sharded_ranks_publish_their_shares_without_gathering_the_mode
     assert len(manifests[0].shards) == 2  # one shard per rank
     _, state, _ = await rebuild(store)
     assert_state_equal(state, result["state"])
+
+
+def _sharded_moe_rank(rank: int, world: int, port: int, model_dir: str, store: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    from delta_swap.integrations.hf_names import checkpoint_tensors
+    from delta_swap.integrations.hf_trainer import DeltaSwapCallback
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(rank))
+    callback = DeltaSwapCallback(store, PublisherConfig(base_every=10))
+    for step in range(2):
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        callback.publish(step, model)
+    callback.on_train_end(None, None, None)
+    full = [(k, v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()]
+    if rank == 0:
+        torch.save(checkpoint_tensors(model, full, torch.bfloat16), out)
+    dist.destroy_process_group()
+
+
+async def test_fsdp2_ranks_publish_a_transformers5_moe_under_its_checkpoint_names(tmp_path) -> None:
+    """Transformers 5 keeps a Qwen3-MoE's experts fused in memory (``mlp.experts.gate_up_proj``, one
+    3-D tensor per layer), FSDP2 shards them, and each rank publishes its share through
+    DeltaSwapCallback: the snapshot holds exactly the checkpoint's names (``experts.N.gate_proj``...)
+    and the trained values."""
+    from safetensors.torch import load_file
+
+    from examples.servers.process import free_port
+    from examples.tiny_model import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "moe", family="qwen3_moe")
+    saved = {}
+    for shard in model_dir.glob("*.safetensors"):
+        saved.update(load_file(shard))
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    out = tmp_path / "rank0.pt"
+    procs = [ctx.Process(target=_sharded_moe_rank, args=(r, 2, port, str(model_dir), str(tmp_path / "store"),
+                                                          str(out))) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+        assert p.exitcode == 0
+    expected = torch.load(out)
+    assert set(expected) == set(saved)  # the converted names are the checkpoint's
+    assert any(".experts.3.gate_proj.weight" in name for name in saved)
+    store = FileStore(tmp_path / "store")
+    assert [m.step for m in await ChainReader(store).list()] == [0, 1]
+    _, state, _ = await rebuild(store)
+    assert set(state) == set(saved)
+    assert_state_equal(state, expected)
+    assert not all(torch.equal(expected[k], saved[k].to(torch.bfloat16)) for k in saved)  # it trained
