@@ -3,7 +3,8 @@
 ``MADV_PAGEOUT`` drops a clean file page only where no other process maps it (Linux 5.4+), and
 some kernels (sandboxes, older versions, some filesystems or large folios) accept the call and drop
 nothing. A test that measures a page-out asks :func:`why_pages_stay` whether the host could have
-paged out at all, so it fails only where the code under test is at fault. The probes call
+paged out at all (a fresh process loading the library the same way and paging it out itself),
+so it fails only where the code under test is at fault. The probes call
 ``madvise`` themselves, never the code under test, so a page-out the code forgets still fails.
 """
 
@@ -128,16 +129,16 @@ def other_processes_mapping(name_part: str) -> list[str]:
 
 def why_pages_stay(name_part: str, load: str) -> str | None:
     """Why this host cannot page out the pages of a shared library that ``load`` (Python code, see
-    :func:`library_pages_out_after`) touches, right now (None: it can)."""
-    if not kernel_pages_out_private_file_mappings():
-        return "this kernel does not page out file mappings on MADV_PAGEOUT (checked on a private 8 MB file)"
+    :func:`library_pages_out_after`) touches, right now (None: it can). Only that probe decides;
+    the others name the likely cause."""
     own = page_out_here(name_part)
     before, after = library_pages_out_after(load, name_part)
     if after < before / 4:
         return None
     others = other_processes_mapping(name_part)
-    mappers = (f"{len(others)} other process(es) map it: {', '.join(others[:4])}" if others else
-               "no other process this user can see maps it")
-    mappers += f"; {own} kB stay resident in the calling process"
+    causes = [f"{len(others)} other process(es) map it: {', '.join(others[:4])}" if others else
+              "no other process this user can see maps it", f"{own} kB stay resident in the calling process"]
+    if not kernel_pages_out_private_file_mappings():
+        causes.insert(0, "this kernel does not page out a private 8 MB file mapping either")
     return (f"MADV_PAGEOUT alone left {after} of {before} kB of {name_part} resident in a fresh process "
-            f"that loaded it the same way ({mappers})")
+            f"that loaded it the same way ({'; '.join(causes)})")
