@@ -86,22 +86,30 @@ async def test_a_trl_grpo_trainer_publishes_with_the_callback(tmp_path, tiny) ->
     assert_state_equal(state, {k: v.detach().to(torch.bfloat16) for k, v in trainer.model.state_dict().items()})
 
 
-def _sharded_rank(rank: int, world: int, port: int, model_dir: str, store: str, out: str) -> None:
+def _fsdp2_model(rank: int, world: int, port: int, model_dir: str) -> torch.nn.Module:
+    """Join a gloo group of ``world`` processes and load ``model_dir`` sharded by FSDP2 (per layer)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from transformers import LlamaForCausalLM
-
-    from delta_swap.integrations.sharded import owned_tensors
+    from transformers import AutoModelForCausalLM
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
-    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     mesh = init_device_mesh("cpu", (world,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return model
+
+
+def _sharded_rank(rank: int, world: int, port: int, model_dir: str, store: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from delta_swap.integrations.sharded import owned_tensors
+
+    model = _fsdp2_model(rank, world, port, model_dir)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(rank))
     largest_share = 0
@@ -147,21 +155,11 @@ async def test_two_sharded_ranks_publish_their_shares_without_gathering_the_mode
 
 def _sharded_moe_rank(rank: int, world: int, port: int, model_dir: str, store: str, out: str) -> None:
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoModelForCausalLM
 
     from delta_swap.integrations.hf_names import checkpoint_tensors
     from delta_swap.integrations.hf_trainer import DeltaSwapCallback
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = _fsdp2_model(rank, world, port, model_dir)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(rank))
     callback = DeltaSwapCallback(store, PublisherConfig(base_every=10))
