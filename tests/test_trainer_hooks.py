@@ -86,6 +86,23 @@ async def test_a_trl_grpo_trainer_publishes_with_the_callback(tmp_path, tiny) ->
     assert_state_equal(state, {k: v.detach().to(torch.bfloat16) for k, v in trainer.model.state_dict().items()})
 
 
+def _run_two_ranks(target, model_dir, tmp_path) -> dict:
+    """Run ``target(rank, 2, port, model_dir, store, out)`` in two spawned processes publishing to
+    ``tmp_path/store``; return what rank 0 saved to ``out``."""
+    from examples.servers.process import free_port
+
+    ctx = mp.get_context("spawn")
+    port, out = free_port(), tmp_path / "rank0.pt"
+    procs = [ctx.Process(target=target, args=(r, 2, port, str(model_dir), str(tmp_path / "store"), str(out)))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(300)
+        assert p.exitcode == 0
+    return torch.load(out)
+
+
 def _fsdp2_model(rank: int, world: int, port: int, model_dir: str) -> torch.nn.Module:
     """Join a gloo group of ``world`` processes and load ``model_dir`` sharded by FSDP2 (per layer)."""
     import torch.distributed as dist
@@ -131,19 +148,8 @@ def _sharded_rank(rank: int, world: int, port: int, model_dir: str, store: str, 
 
 
 async def test_two_sharded_ranks_publish_their_shares_without_gathering_the_model(tmp_path, tiny) -> None:
-    from examples.servers.process import free_port
 
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    out = tmp_path / "rank0.pt"
-    procs = [ctx.Process(target=_sharded_rank, args=(r, 2, port, str(tiny), str(tmp_path / "store"), str(out)))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-        assert p.exitcode == 0
-    result = torch.load(out)
+    result = _run_two_ranks(_sharded_rank, tiny, tmp_path)
     assert result["largest_share"] < 0.75 * result["total"]  # no rank held the whole model to publish
     store = FileStore(tmp_path / "store")
     manifests = await ChainReader(store).list()
@@ -182,24 +188,13 @@ async def test_fsdp2_ranks_publish_a_transformers5_moe_under_its_checkpoint_name
     and the trained values."""
     from safetensors.torch import load_file
 
-    from examples.servers.process import free_port
     from examples.tiny_model import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "moe", family="qwen3_moe")
     saved = {}
     for shard in model_dir.glob("*.safetensors"):
         saved.update(load_file(shard))
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    out = tmp_path / "rank0.pt"
-    procs = [ctx.Process(target=_sharded_moe_rank, args=(r, 2, port, str(model_dir), str(tmp_path / "store"),
-                                                          str(out))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-        assert p.exitcode == 0
-    expected = torch.load(out)
+    expected = _run_two_ranks(_sharded_moe_rank, model_dir, tmp_path)
     assert set(expected) == set(saved)  # the converted names are the checkpoint's
     assert any(".experts.3.gate_proj.weight" in name for name in saved)
     store = FileStore(tmp_path / "store")
