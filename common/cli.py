@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from . import store_keys
 from .chain import READ_AHEAD, ChainReader
@@ -195,7 +196,7 @@ async def _name_the_newest_good(reader: ChainReader, target: str, failed: _Unbui
     except DeltaSwapError:
         head = None
     spent = 0
-    for manifest in (await _candidates(reader, head and head.step))[:tries]:
+    for manifest in (await _candidates(reader, head.step if head is not None else None))[:tries]:
         budget = SEARCH_BYTES_FACTOR * (head or manifest).model_bytes
         if found is not None and manifest.step <= found.step:
             break
@@ -285,7 +286,7 @@ async def _side_files(reader: ChainReader, path: list[Manifest]) -> dict[str, by
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
     manifests = asyncio.run(_list(args))
-    rows = [
+    rows: list[dict[str, Any]] = [
         {"snapshot_id": m.snapshot_id, "kind": m.kind.value, "prev_snapshot_id": m.prev_snapshot_id,
          "base_snapshot_id": m.base_snapshot_id, "run_id": m.run_id, "step": m.step, "payload_bytes": m.payload_bytes,
          "model_bytes": m.model_bytes, "tensors": len(m.tensors), "created_at": m.created_at}
