@@ -171,8 +171,9 @@ class Harness:
     def snapshot_dir(self, root: Path, step: int | None = None) -> Path:
         return root / "snapshots" / f"step-{self.step if step is None else step:010d}"
 
-    def commit(self, scratch: Path, step: int | None = None) -> None:
-        """Copy a prepared snapshot into the live store in the publisher's order, then HEAD."""
+    def commit(self, scratch: Path, step: int | None = None, *, head: bool = True) -> None:
+        """Copy a prepared snapshot into the live store in the publisher's order, then HEAD
+        (unless ``head`` is False: a store that withholds it)."""
         src, dest = self.snapshot_dir(scratch, step), self.snapshot_dir(self.store, step)
         order = sorted(src.rglob("*"), key=lambda p: (p.name == "manifest.json", p.name == "manifest.sig", str(p)))
         for path in order:
@@ -180,7 +181,8 @@ class Harness:
                 target = dest / path.relative_to(src)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy(path, target)
-        shutil.copy(scratch / "HEAD", self.store / "HEAD")
+        if head:
+            shutil.copy(scratch / "HEAD", self.store / "HEAD")
 
     def model(self) -> Path:
         return self.models[(self.step + 1) % len(self.models)]
@@ -458,6 +460,82 @@ def fault_tampered_without_key(h: Harness, row: Row) -> None:
     row.note = "expected: sign snapshots in production"
 
 
+def fault_other_run(h: Harness, row: Row) -> None:
+    """A base and a delta of another run, signed with the trainer's key, copied in as the next
+    two steps with HEAD on them (issue #29): the server stays on its run."""
+    served, before = h.status()["current_step"], h.status()["failures"]
+    other = Path(tempfile.mkdtemp(dir=h.work, prefix="other-run-"))
+    first = h.step + 1
+    h.publish(other, first, h.model(), base=True)  # an empty store: a new run
+    h.publish(other, first + 1, h.models[0])
+    h.step = first + 1
+    h.commit(other, first, head=False)
+    h.commit(other, first + 1)
+    st = h.wait(lambda s: s["failures"] > before)
+    row.status = (st or {}).get("last_error") or "(no error reported)"
+    h.check_serving(row)
+    ok = st is not None and "run" in row.status and st["current_step"] == served
+    (h.store / store_keys.HEAD_KEY).write_text(json.dumps({"snapshot_id": f"step-{served:010d}", "step": served}))
+    for step in (first, first + 1):
+        shutil.rmtree(h.snapshot_dir(h.store, step))
+    h.commit(h.prepare(h.model()))
+    st = h.wait(lambda s: s["current_step"] == h.step and s["last_error"] is None)
+    row.converged, row.served_after = ok and st is not None, h.status()["current_snapshot_id"]
+
+
+def fault_restart_rollback(h: Harness, row: Row) -> None:
+    """The server restarts while HEAD names an older, validly signed snapshot (the base): it does
+    not go back (it serves the checkpoint it started from and says why) until HEAD moves on."""
+    served = h.status()["current_step"]
+    head_path = h.store / store_keys.HEAD_KEY
+    head = head_path.read_text()
+    head_path.write_text(json.dumps({"snapshot_id": "step-0000000000", "step": 0}))
+    h.stop()
+    h.start(wait=False)
+    st = h.wait(lambda s: s["failures"] > 0, 120)
+    row.status = (st or {}).get("last_error") or "(no error reported)"
+    h.check_serving(row)
+    ok = st is not None and "allow_older" in row.status and st["current_step"] in (None, served)
+    head_path.write_text(head)
+    h.post("notify")
+    st = h.wait(lambda s: s["current_step"] == h.step and s["last_error"] is None, 120)
+    row.converged, row.served_after = ok and st is not None and served == h.step, h.status()["current_snapshot_id"]
+
+
+def fault_frozen_head(h: Harness, row: Row) -> None:
+    """Two newer snapshots and the trainer's heartbeat reach the store, HEAD is held back: the
+    server stays where it is but reports the staleness (published_step_seen, staleness_steps)."""
+    served = h.status()["current_step"]
+    scratch = h.prepare(h.model())
+    h.step += 1
+    h.publish(scratch, h.step, h.models[0])
+    h.commit(scratch, h.step - 1, head=False)
+    h.commit(scratch, h.step, head=False)
+    shutil.copy(scratch / store_keys.HEARTBEAT_KEY, h.store / store_keys.HEARTBEAT_KEY)
+    st = h.wait(lambda s: s["published_step_seen"] == h.step, 60)
+    st = st or h.status()
+    row.status = (f"published_step_seen={st['published_step_seen']} staleness_steps={st['staleness_steps']} "
+                  f"trainer_seen_seconds={st['trainer_seen_seconds']} current_step={st['current_step']}")
+    h.check_serving(row)
+    ok = st["published_step_seen"] == h.step and st["staleness_steps"] == h.step - served == 2 \
+        and st["current_step"] == served
+    shutil.copy(scratch / store_keys.HEAD_KEY, h.store / store_keys.HEAD_KEY)
+    st2 = h.wait(lambda s: s["current_step"] == h.step and s["last_error"] is None and s["staleness_steps"] == 0)
+    row.converged, row.served_after = ok and st2 is not None, h.status()["current_snapshot_id"]
+
+
+def fault_post_without_token(h: Harness, row: Row) -> None:
+    """POST /notify and /resync without the admin token, or with a wrong one: refused."""
+    served, resync_before = h.status()["current_step"], h.status()["last_resync"]
+    codes = {f"{route} {label}": h.post(route, token=token)
+             for route in ("notify", "resync") for label, token in (("no token", None), ("wrong token", "wrong"))}
+    row.status = ", ".join(f"{k}: {v}" for k, v in codes.items())
+    h.check_serving(row)
+    st = h.status()
+    row.converged = set(codes.values()) == {401} and st["current_step"] == served and st["last_resync"] == resync_before
+    row.served_after = st["current_snapshot_id"]
+
+
 FAULTS: dict[str, Callable[[Harness, Row], None]] = {
     "corrupted shard byte": fault_shard(flip_shard_byte, "mismatch"),
     "truncated shard": fault_shard(truncate_shard, "bytes"),
@@ -475,6 +553,10 @@ FAULTS: dict[str, Callable[[Harness, Row], None]] = {
     "staging disk full": fault_staging_full,
     "store unreachable": fault_outage,
     "resync storm (50 concurrent)": fault_resync_storm,
+    "snapshot of another run, same key (#29)": fault_other_run,
+    "restart while HEAD names an older signed snapshot (#29)": fault_restart_rollback,
+    "HEAD frozen while the trainer publishes (#29)": fault_frozen_head,
+    "POST without the admin token (#29)": fault_post_without_token,
     "tampered manifest, checksums recomputed (no key)": fault_tampered_without_key,
 }
 
