@@ -238,33 +238,45 @@ def _step_of(snapshot_id: str | None) -> int | None:
 class _ReadAhead:
     """Manifest reads of one chain walk, at most ``width`` in flight: the predecessor the walk
     needs next, and below it the ids that the chain's step spacing predicts. A prediction is a
-    guess: one that is never needed is cancelled, one that does not exist costs a missed read."""
+    guess: the walk starts with one, and each guess it takes doubles the guesses allowed (up to
+    ``width - 1``), each it passes halves them (down to one), so an irregular chain costs few
+    missed reads."""
 
     def __init__(self, reader: ChainReader, width: int) -> None:
         self.reader = reader
         self.width = width
+        self.guesses = 1
+        self.guessed: set[str] = set()
         self.reads: dict[str, asyncio.Future[Manifest]] = {}
 
     def _start(self, snapshot_id: str) -> None:
         if snapshot_id not in self.reads:
-            self.reads[snapshot_id] = asyncio.ensure_future(self.reader.manifest(snapshot_id))
+            read = asyncio.ensure_future(self.reader.manifest(snapshot_id))
+            read.add_done_callback(_retrieve)  # a guess dropped after it failed is no unretrieved error
+            self.reads[snapshot_id] = read
 
     def schedule_below(self, manifest: Manifest, prev_id: str, floor: int) -> None:
         """Start reading ``prev_id`` and the ids spaced like ``manifest`` -> ``prev_id`` below it,
         down to step ``floor``; drop guesses the walk has passed."""
         prev_step = _step_of(prev_id)
-        for snapshot_id in [i for i in self.reads if i != prev_id and (_step_of(i) or 0) >= (prev_step or 0)]:
+        passed = [i for i in self.reads if i != prev_id and (_step_of(i) or 0) >= (prev_step or 0)]
+        if passed:
+            self.guesses = max(1, self.guesses // 2)
+        for snapshot_id in passed:
             self.reads.pop(snapshot_id).cancel()
         self._start(prev_id)
         if prev_step is None or _step_of(manifest.snapshot_id) != manifest.step or prev_step >= manifest.step:
             return
         stride = manifest.step - prev_step
         step = prev_step - stride
-        while step >= floor and len(self.reads) < self.width:
+        while step >= floor and len(self.reads) <= self.guesses:
+            self.guessed.add(snapshot_id_for_step(step))
             self._start(snapshot_id_for_step(step))
             step -= stride
 
     async def take(self, snapshot_id: str) -> Manifest:
+        if snapshot_id in self.guessed and snapshot_id in self.reads:
+            self.guesses = min(self.width - 1, self.guesses * 2)
         self._start(snapshot_id)
         return await self.reads.pop(snapshot_id)
 
@@ -273,3 +285,8 @@ class _ReadAhead:
             read.cancel()
         await asyncio.gather(*self.reads.values(), return_exceptions=True)
         self.reads.clear()
+
+
+def _retrieve(read: asyncio.Future[Manifest]) -> None:
+    if not read.cancelled():
+        read.exception()

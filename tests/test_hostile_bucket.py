@@ -22,9 +22,11 @@ class CountingStore(FileStore):
     def __init__(self, root) -> None:
         super().__init__(root, create=False)
         self.reads: Counter[str] = Counter()
+        self.attempts: Counter[str] = Counter()
         self.bytes_read = 0
 
     async def get(self, key, start=None, end=None, *, max_bytes=None):
+        self.attempts[key] += 1
         data = await super().get(key, start, end, max_bytes=max_bytes)
         self.reads[key] += 1
         self.bytes_read += len(data)
@@ -72,6 +74,11 @@ def test_chain_walk_reads_each_manifest_once_and_stops_at_the_nearest_base(tmp_p
     below = [f"step-{s:010d}" for s in steps if s < base]
     assert not any(reads[sid] for sid in below), "read manifests below the nearest base"
     assert all(store.reads[store_keys.signature_key(sid)] == 1 for sid in expected)
+    missed = [k for k in store.attempts if k.endswith("/manifest.json") and k.split("/")[1] not in reads]
+    if len({b - a for a, b in zip(steps, steps[1:])}) == 1:
+        assert not missed, "guessed ids that a regularly spaced chain does not have"
+    else:
+        assert len(missed) <= 2 * len(expected), missed
 
 
 def test_chain_walk_from_the_current_snapshot_reads_only_what_follows_it(tmp_path, key):
