@@ -207,8 +207,18 @@ def _pairs(old: StateDict, new: StateDict) -> list[TensorPair]:
     out = []
     for k in sorted(old):
         raw_new = _raw(new[k])
-        out.append(TensorPair(k, _FLOATS[old[k].dtype][0], tuple(old[k].shape), _raw(old[k]), raw_new, old[k], new[k],
-                              checksum(raw_new)))
+        out.append(
+            TensorPair(
+                k,
+                _FLOATS[old[k].dtype][0],
+                tuple(old[k].shape),
+                _raw(old[k]),
+                raw_new,
+                old[k],
+                new[k],
+                checksum(raw_new),
+            )
+        )
     return out
 
 
@@ -298,7 +308,7 @@ def _bench_pair(pair: TensorPair, methods: list[Method], totals: dict[str, Total
     buf = np.empty_like(pair.old)
     best: dict[tuple[str, str], float] = {}
     for r in range(repeats):
-        jobs = jobs[r % len(jobs):] + jobs[:r % len(jobs)]  # rotate the order between repeats
+        jobs = jobs[r % len(jobs) :] + jobs[: r % len(jobs)]  # rotate the order between repeats
         for name, kind, fn in jobs:
             t0 = time.perf_counter()
             out = fn()
@@ -319,8 +329,9 @@ def _bench_pair(pair: TensorPair, methods: list[Method], totals: dict[str, Total
         t.in_place_s += best.get((m.name, "in_place"), 0.0)
 
 
-def _snapshot_rebuild(old: StateDict, new: StateDict, arc: Method | None, threads: list[int],
-                      repeats: int) -> dict[str, dict[int, float]]:
+def _snapshot_rebuild(
+    old: StateDict, new: StateDict, arc: Method | None, threads: list[int], repeats: int
+) -> dict[str, dict[int, float]]:
     """Seconds to rebuild the snapshot old -> new with apply_snapshot (and ARC v3 on a thread
     pool over tensors), per thread count: min of ``repeats``."""
     import asyncio
@@ -347,7 +358,8 @@ def _snapshot_rebuild(old: StateDict, new: StateDict, arc: Method | None, thread
     assert manifest.kind == "delta"
     prev = {k: HostTensor(_FLOATS[v.dtype][0], tuple(v.shape), _raw(v)) for k, v in old.items()}
     jobs: list[tuple[str, int, Callable[[], Any]]] = [
-        (OURS, n, lambda n=n: apply_snapshot(prev, manifest, shards, threads=n)) for n in threads]
+        (OURS, n, lambda n=n: apply_snapshot(prev, manifest, shards, threads=n)) for n in threads
+    ]
     if arc is not None:
         pairs = _pairs(old, new)
         payloads = [arc.encode(p)[0] for p in pairs]
@@ -365,15 +377,23 @@ def _snapshot_rebuild(old: StateDict, new: StateDict, arc: Method | None, thread
     return out
 
 
-def _bench_lr(checkpoints: list[StateDict], methods: list[Method], repeats: int, threads: list[int],
-              core: int, all_cores: set[int]) -> dict[str, Any]:
+def _bench_lr(
+    checkpoints: list[StateDict],
+    methods: list[Method],
+    repeats: int,
+    threads: list[int],
+    core: int,
+    all_cores: set[int],
+) -> dict[str, Any]:
     totals = {m.name: Totals() for m in methods}
     elements = changed = 0
     order0 = conditional = 0.0
     model_bytes = sum(t.numel() * t.element_size() for t in checkpoints[0].values())
     for old, new in zip(checkpoints, checkpoints[1:]):
         for k, a in old.items():
-            changed += int((a.reshape(-1).view(_FLOATS[a.dtype][3]) != new[k].reshape(-1).view(_FLOATS[a.dtype][3])).sum())
+            changed += int(
+                (a.reshape(-1).view(_FLOATS[a.dtype][3]) != new[k].reshape(-1).view(_FLOATS[a.dtype][3])).sum()
+            )
             elements += a.numel()
             h0, hc = entropy_bits(a, new[k])
             order0, conditional = order0 + h0, conditional + hc
@@ -407,7 +427,9 @@ def _bench_lr(checkpoints: list[StateDict], methods: list[Method], repeats: int,
             secs = _snapshot_rebuild(checkpoints[-2], checkpoints[-1], fastest, threads, max(repeats, 7))
         finally:
             os.sched_setaffinity(0, {core})
-        result["snapshot_rebuild_mb_s"] = {m: {str(n): model_bytes / s / 1e6 for n, s in v.items()} for m, v in secs.items()}
+        result["snapshot_rebuild_mb_s"] = {
+            m: {str(n): model_bytes / s / 1e6 for n, s in v.items()} for m, v in secs.items()
+        }
     result["target"] = _target(result)
     return result
 
@@ -424,9 +446,13 @@ def _target(result: dict[str, Any]) -> dict[str, Any] | None:
     in_place = ours["in_place_mb_s"] / max(a["rebuild_mb_s"] for a in arcs.values())
     encode = ours["encode_mb_s"] / max(a["encode_mb_s"] for a in arcs.values())
     return {
-        "payload_vs_best_arc_v3": payload, "payload_met": payload <= 0.6,
-        "rebuild_vs_fastest_arc_v3": rebuild, "in_place_rebuild_vs_fastest_arc_v3": in_place, "rebuild_met": rebuild >= 2,
-        "encode_vs_fastest_arc_v3": encode, "encode_met": encode >= 1,
+        "payload_vs_best_arc_v3": payload,
+        "payload_met": payload <= 0.6,
+        "rebuild_vs_fastest_arc_v3": rebuild,
+        "in_place_rebuild_vs_fastest_arc_v3": in_place,
+        "rebuild_met": rebuild >= 2,
+        "encode_vs_fastest_arc_v3": encode,
+        "encode_met": encode >= 1,
     }
 
 
@@ -442,24 +468,33 @@ def _print_table(corpus: str, results: dict[float, dict[str, Any]], repeats: int
             prefix = stats if i == 0 else " " * len(stats)
             rel = f"{m['payload_bytes'] / best_arc:>9.3f}" if best_arc else f"{'':>9}"
             in_place = f"{m['in_place_mb_s']:>8.0f}" if m["in_place_mb_s"] else f"{'':>8}"
-            print(f"{prefix}  {name:<14} {m['payload_pct']:>9.4f} {rel} {m['encode_mb_s']:>9.1f} "
-                  f"{m['decode_mb_s']:>9.0f} {m['rebuild_mb_s']:>8.0f} {in_place}")
+            print(
+                f"{prefix}  {name:<14} {m['payload_pct']:>9.4f} {rel} {m['encode_mb_s']:>9.1f} "
+                f"{m['decode_mb_s']:>9.0f} {m['rebuild_mb_s']:>8.0f} {in_place}"
+            )
         pad = " " * (len(stats) + 2)
-        print(f"{pad}entropy: order-0 {r['entropy_order0_pct']:.4f}%   conditional (codec v2's model) "
-              f"{r['entropy_conditional_pct']:.4f}%")
+        print(
+            f"{pad}entropy: order-0 {r['entropy_order0_pct']:.4f}%   conditional (codec v2's model) "
+            f"{r['entropy_conditional_pct']:.4f}%"
+        )
         if "snapshot_rebuild_mb_s" in r:
-            parts = [f"{m} " + " / ".join(f"{v:.0f}" for v in per.values()) for m, per in r["snapshot_rebuild_mb_s"].items()]
+            parts = [
+                f"{m} " + " / ".join(f"{v:.0f}" for v in per.values()) for m, per in r["snapshot_rebuild_mb_s"].items()
+            ]
             counts = " / ".join(next(iter(r["snapshot_rebuild_mb_s"].values())).keys())
             print(f"{pad}whole-snapshot rebuild MB/s on {counts} threads: " + "; ".join(parts))
         t = r["target"]
         if t:
+
             def ok(flag: bool) -> str:
                 return "met" if flag else "MISSED"
 
-            print(f"{pad}vs ARC v3: payload {t['payload_vs_best_arc_v3']:.3f}x of its smallest ({ok(t['payload_met'])}, "
-                  f"<= 0.6); rebuild {t['rebuild_vs_fastest_arc_v3']:.2f}x of its fastest, in place "
-                  f"{t['in_place_rebuild_vs_fastest_arc_v3']:.2f}x ({ok(t['rebuild_met'])}, >= 2); encode "
-                  f"{t['encode_vs_fastest_arc_v3']:.2f}x ({ok(t['encode_met'])}, >= 1)")
+            print(
+                f"{pad}vs ARC v3: payload {t['payload_vs_best_arc_v3']:.3f}x of its smallest ({ok(t['payload_met'])}, "
+                f"<= 0.6); rebuild {t['rebuild_vs_fastest_arc_v3']:.2f}x of its fastest, in place "
+                f"{t['in_place_rebuild_vs_fastest_arc_v3']:.2f}x ({ok(t['rebuild_met'])}, >= 2); encode "
+                f"{t['encode_vs_fastest_arc_v3']:.2f}x ({ok(t['encode_met'])}, >= 1)"
+            )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -469,8 +504,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(DEFAULT_METHODS))
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per call; best kept")
     parser.add_argument("--core", type=int, default=max(os.sched_getaffinity(0)), help="CPU core to pin to")
-    parser.add_argument("--threads", type=int, nargs="*", help="thread counts of the whole-snapshot rebuild "
-                        "(default: 1 and every core this process may use; none to skip)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        nargs="*",
+        help="thread counts of the whole-snapshot rebuild "
+        "(default: 1 and every core this process may use; none to skip)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
 
@@ -480,8 +520,13 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     codec.warm_up()  # JIT-compile (or load) codec v2's kernels before anything is timed
     print(f"codec v2 kernels ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
-    report: dict[str, Any] = {"steps": args.steps, "core": args.core, "repeats": args.repeats,
-                              "load_average_start": os.getloadavg(), "corpora": {}}
+    report: dict[str, Any] = {
+        "steps": args.steps,
+        "core": args.core,
+        "repeats": args.repeats,
+        "load_average_start": os.getloadavg(),
+        "corpora": {},
+    }
     for name in args.corpus:
         config, lrs = CORPORA[name]
         corpus = rl_checkpoints(tuple(args.lrs or lrs), args.steps, config)
@@ -492,11 +537,15 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name} lr={lr:g}: {len(checkpoints) - 1} checkpoint pairs ...", file=sys.stderr, flush=True)
             results[lr] = _bench_lr(checkpoints, methods, args.repeats, threads, args.core, all_cores)
         _print_table(name, results, args.repeats)
-        report["corpora"][name] = {"config": dataclasses.asdict(config),
-                                   "results": {f"{lr:g}": r for lr, r in results.items()}}
+        report["corpora"][name] = {
+            "config": dataclasses.asdict(config),
+            "results": {f"{lr:g}": r for lr, r in results.items()},
+        }
     report["load_average_end"] = os.getloadavg()
-    print(f"\nload average at start {report['load_average_start'][0]:.2f}, at end {report['load_average_end'][0]:.2f} "
-          f"({len(all_cores)} cores)")
+    print(
+        f"\nload average at start {report['load_average_start'][0]:.2f}, at end {report['load_average_end'][0]:.2f} "
+        f"({len(all_cores)} cores)"
+    )
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
 

@@ -58,8 +58,12 @@ def zstd_dictionaries(cks: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     samples = [p for k in names for p in _v1_planes(_raw(cks[0][k]), _raw(cks[1][k])) if p]
     dictionary = zstandard.train_dictionary(64 * 1024, samples, level=19)
     plain, with_dict = zstandard.ZstdCompressor(level=19), zstandard.ZstdCompressor(level=19, dict_data=dictionary)
-    sizes = {"v1 planes, zstd-19": 0, "v1 planes, zstd-19 + 64 KiB dictionary": 0, "codec v2": 0,
-             "codec v2, then zstd-19": 0}
+    sizes = {
+        "v1 planes, zstd-19": 0,
+        "v1 planes, zstd-19 + 64 KiB dictionary": 0,
+        "codec v2": 0,
+        "codec v2, then zstd-19": 0,
+    }
     model = 0
     for t in range(1, len(cks) - 1):
         for k in names:
@@ -104,8 +108,11 @@ def constriction_mask(cks: list[dict[str, torch.Tensor]]) -> dict[str, float]:
             codec.decode_into(buf, payload, "BF16")
             rebuild_s += time.perf_counter() - start
             elements += u.size
-    return {"mask bits vs ideal (table-free)": bits / ideal, "constriction mask decode ns/element": 1e9 * decode_s / elements,
-            "codec v2 whole in-place decode ns/element": 1e9 * rebuild_s / elements}
+    return {
+        "mask bits vs ideal (table-free)": bits / ideal,
+        "constriction mask decode ns/element": 1e9 * decode_s / elements,
+        "codec v2 whole in-place decode ns/element": 1e9 * rebuild_s / elements,
+    }
 
 
 _C_WALK = r"""
@@ -152,8 +159,10 @@ def _compiled_walk() -> ctypes.CDLL | None:
         return None
     folder = Path(tempfile.mkdtemp(prefix="codec-tools-"))
     (folder / "walk.c").write_text(_C_WALK)
-    subprocess.run([cc, "-O3", "-march=native", "-shared", "-fPIC", "-o", str(folder / "walk.so"), str(folder / "walk.c")],
-                   check=True)
+    subprocess.run(
+        [cc, "-O3", "-march=native", "-shared", "-fPIC", "-o", str(folder / "walk.so"), str(folder / "walk.c")],
+        check=True,
+    )
     return ctypes.CDLL(str(folder / "walk.so"))
 
 
@@ -161,6 +170,7 @@ def numba_vs_c(cks: list[dict[str, torch.Tensor]], repeats: int = 5) -> dict[str
     lib = _compiled_walk()
     if lib is None:
         return None
+
     def ptr(arr: np.ndarray) -> ctypes.c_void_p:
         return arr.ctypes.data_as(ctypes.c_void_p)
 
@@ -170,8 +180,9 @@ def numba_vs_c(cks: list[dict[str, torch.Tensor]], repeats: int = 5) -> dict[str
     for t in range(1, len(cks) - 1):
         for k in sorted(cks[t]):
             a, b = _raw(cks[t][k]), _raw(cks[t + 1][k])
-            payload = codec.encode_tensor_delta(a, b, "BF16", codec.CodecConfig(dense_fraction=2.0, predict_signs=False),
-                                                shape=tuple(cks[t][k].shape))  # the C walk has no sign model
+            payload = codec.encode_tensor_delta(
+                a, b, "BF16", codec.CodecConfig(dense_fraction=2.0, predict_signs=False), shape=tuple(cks[t][k].shape)
+            )  # the C walk has no sign model
             if payload[4] != v2.METHOD_ULP:
                 continue
             scratch = v2.decoder._Scratch()
@@ -185,36 +196,74 @@ def numba_vs_c(cks: list[dict[str, torch.Tensor]], repeats: int = 5) -> dict[str
             if err != 1:
                 continue
             lay = v2.parse.UlpLayout(*layout[0].tolist())
-            D, row_len, K, n_ev, n_changed, n_rows, o_ = (lay.dense_first, lay.walk_row_len, lay.n_classes,
-                                                          lay.n_event_slots, lay.n_changed, lay.n_rows, lay.lut_at)
+            D, row_len, K, n_ev, n_changed, n_rows, o_ = (
+                lay.dense_first,
+                lay.walk_row_len,
+                lay.n_classes,
+                lay.n_event_slots,
+                lay.n_changed,
+                lay.n_rows,
+                lay.lut_at,
+            )
             i64 = scratch.i64
-            lut = i64[o_:o_ + 512]
-            state = i64[o_ + 512:o_ + 512 + 5 * (K + 1)].copy()
-            ev, vals = i64[:n_ev], i64[n_ev:n_ev + n_changed]
+            lut = i64[o_ : o_ + 512]
+            state = i64[o_ + 512 : o_ + 512 + 5 * (K + 1)].copy()
+            ev, vals = i64[:n_ev], i64[n_ev : n_ev + n_changed]
             row_dead = scratch.u8[:n_rows].copy() if n_rows else np.zeros(1, np.uint8)
             best = {"numba": float("inf"), "c": float("inf")}
             no_table, no_codes = np.zeros(64, np.uint64), np.zeros(1, np.uint8)
             for _ in range(repeats):
                 for which in ("numba", "c"):
                     st = state.copy()
-                    cnt, evp, vp, vend = (st[j * (K + 1):(j + 1) * (K + 1)] for j in range(4))
+                    cnt, evp, vp, vend = (st[j * (K + 1) : (j + 1) * (K + 1)] for j in range(4))
                     out = a.view(np.uint16).copy()
                     start = time.perf_counter()
                     if which == "numba":
                         u = np.uint64
-                        rc = v2.decode_kernels.WALKS["BF16"](out, lut.view(u), D, row_dead, row_len, cnt.view(u), evp.view(u), ev,
-                                                     vp.view(u), vend.view(u), vals, no_table, no_codes, no_codes, 0, 1)
+                        rc = v2.decode_kernels.WALKS["BF16"](
+                            out,
+                            lut.view(u),
+                            D,
+                            row_dead,
+                            row_len,
+                            cnt.view(u),
+                            evp.view(u),
+                            ev,
+                            vp.view(u),
+                            vend.view(u),
+                            vals,
+                            no_table,
+                            no_codes,
+                            no_codes,
+                            0,
+                            1,
+                        )
                     else:
-                        rc = lib.walk_bf16(ptr(out), ctypes.c_int64(out.size), ptr(lut), ctypes.c_int64(D), ptr(row_dead),
-                                           ctypes.c_int64(row_dead.size), ctypes.c_int64(row_len), ptr(cnt), ptr(evp),
-                                           ptr(ev), ptr(vp), ptr(vend), ptr(vals))
+                        rc = lib.walk_bf16(
+                            ptr(out),
+                            ctypes.c_int64(out.size),
+                            ptr(lut),
+                            ctypes.c_int64(D),
+                            ptr(row_dead),
+                            ctypes.c_int64(row_dead.size),
+                            ctypes.c_int64(row_len),
+                            ptr(cnt),
+                            ptr(evp),
+                            ptr(ev),
+                            ptr(vp),
+                            ptr(vend),
+                            ptr(vals),
+                        )
                     best[which] = min(best[which], time.perf_counter() - start)
                     assert rc == 0 and np.array_equal(out.view(np.uint8), b), which
             numba_s += best["numba"]
             c_s += best["c"]
             elements += a.size // 2
-    return {"numba pass ns/element": 1e9 * numba_s / elements, "C -O3 -march=native pass ns/element": 1e9 * c_s / elements,
-            "numba / C time": numba_s / c_s}
+    return {
+        "numba pass ns/element": 1e9 * numba_s / elements,
+        "C -O3 -march=native pass ns/element": 1e9 * c_s / elements,
+        "numba / C time": numba_s / c_s,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -68,8 +68,9 @@ def bf16_keys(bits: np.ndarray) -> np.ndarray:
     return v1._ordered_key(bits, 16).astype(np.int64)
 
 
-def _row_groups(exp: np.ndarray, changed: np.ndarray, shape: tuple[int, ...],
-                axis: int = 1) -> tuple[np.ndarray, int, float]:
+def _row_groups(
+    exp: np.ndarray, changed: np.ndarray, shape: tuple[int, ...], axis: int = 1
+) -> tuple[np.ndarray, int, float]:
     """(group of every element, number of groups, side bits) of the cheapest grouping of a
     matrix's rows (``axis`` 1: a row's rate is summed over its columns) or of its columns
     (``axis`` 0)."""
@@ -93,8 +94,7 @@ def _row_groups(exp: np.ndarray, changed: np.ndarray, shape: tuple[int, ...],
 
 def measure(checkpoints: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     """Savings of each context, in bits, and the v2 payload bits they compare with."""
-    out = {"v2_payload": 0.0, "rows": 0.0, "columns": 0.0, "previous": 0.0, "both": 0.0, "signs": 0.0,
-           "values": 0.0}
+    out = {"v2_payload": 0.0, "rows": 0.0, "columns": 0.0, "previous": 0.0, "both": 0.0, "signs": 0.0, "values": 0.0}
     for shape, u, v, w in changed_bf16_triples(checkpoints):
         payload = v2.encode_delta(u.view(np.uint8), v.view(np.uint8), "BF16", shape, predict_signs=False)
         out["v2_payload"] += 8 * len(payload)
@@ -116,9 +116,14 @@ def measure(checkpoints: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         size, negative = np.minimum(np.abs(step_c), MAX_STEP), (step_c < 0).astype(np.int64)
         relative = negative ^ (prev_c < 0)  # 0: the direction of the previous step (or +, if none)
         v2_values = _table_bits(exp_c, size) + size.size
-        out["values"] += max(0.0, v2_values - min(  # the cheapest per tensor, as an encoder would choose
-            _table_bits(exp_c * 4 + np.minimum(np.abs(prev_c), 3), size * 2 + relative),
-            _table_bits(exp_c * 2 + (prev_c != 0), size * 2 + relative)))
+        out["values"] += max(
+            0.0,
+            v2_values
+            - min(  # the cheapest per tensor, as an encoder would choose
+                _table_bits(exp_c * 4 + np.minimum(np.abs(prev_c), 3), size * 2 + relative),
+                _table_bits(exp_c * 2 + (prev_c != 0), size * 2 + relative),
+            ),
+        )
     return out
 
 
@@ -127,14 +132,18 @@ def main(argv: list[str] | None = None) -> None:
     add_corpus_arguments(parser)
     args = parser.parse_args(argv)
     print(f"{'corpus':<7} {'lr':>7}  saving as % of the v2 payload (pairs 2-{args.steps})")
-    print(f"{'':<7} {'':>7}  {'rows':>6} {'columns':>8} {'previous':>9} {'both':>6} {'signs':>6} {'both+signs':>11} {'values':>7} "
-          f"{'both+values':>12}")
+    print(
+        f"{'':<7} {'':>7}  {'rows':>6} {'columns':>8} {'previous':>9} {'both':>6} {'signs':>6} {'both+signs':>11} {'values':>7} "
+        f"{'both+values':>12}"
+    )
     for name, lr, checkpoints in corpus_runs(args.corpus, args.steps):
         r = measure(checkpoints)
         pct = {k: 100 * v / r["v2_payload"] for k, v in r.items() if k != "v2_payload"}
-        print(f"{name:<7} {lr:>7g}  {pct['rows']:>6.2f} {pct['columns']:>8.2f} {pct['previous']:>9.2f} {pct['both']:>6.2f} "
-              f"{pct['signs']:>6.2f} {pct['both'] + pct['signs']:>11.2f} {pct['values']:>7.2f} "
-              f"{pct['both'] + pct['values']:>12.2f}")
+        print(
+            f"{name:<7} {lr:>7g}  {pct['rows']:>6.2f} {pct['columns']:>8.2f} {pct['previous']:>9.2f} {pct['both']:>6.2f} "
+            f"{pct['signs']:>6.2f} {pct['both'] + pct['signs']:>11.2f} {pct['values']:>7.2f} "
+            f"{pct['both'] + pct['values']:>12.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -79,8 +79,12 @@ class Harness:
     # ------------------------------------------------------------------ server
 
     def settings(self) -> dict[str, object]:
-        out: dict[str, object] = {"store": self.store.as_uri(), "poll_interval": 0.2, "admin_token": self.token,
-                                  "drain_timeout": 60}
+        out: dict[str, object] = {
+            "store": self.store.as_uri(),
+            "poll_interval": 0.2,
+            "admin_token": self.token,
+            "drain_timeout": 60,
+        }
         if self.trusted:
             out["trusted_key"] = f"{self.key}.pub"
         if self.staging is not None:
@@ -89,11 +93,13 @@ class Harness:
 
     def start(self, wait: bool = True) -> None:
         if self.engine == "vllm":
-            self.server = vllm_server.start(self.models[0], self.work / "vllm", settings=self.settings(),
-                                            log_name=f"server-{self.step}.log")
+            self.server = vllm_server.start(
+                self.models[0], self.work / "vllm", settings=self.settings(), log_name=f"server-{self.step}.log"
+            )
         else:
-            self.server = sglang_server.start(self.models[0], self.work / "sglang", settings=self.settings(),
-                                              log_name=f"server-{self.step}.log")
+            self.server = sglang_server.start(
+                self.models[0], self.work / "sglang", settings=self.settings(), log_name=f"server-{self.step}.log"
+            )
         if wait:
             self.wait(lambda s: s["current_step"] == self.step, 300)
 
@@ -381,6 +387,7 @@ def _killed_during(phases: tuple[str, ...]) -> Callable[[Harness, Row], None]:
         st = h.status()
         row.converged = st["current_step"] == h.step and st["last_error"] is None
         row.served_after = st["current_snapshot_id"]
+
     return run
 
 
@@ -437,8 +444,10 @@ def fault_resync_storm(h: Harness, row: Row) -> None:
     with ThreadPoolExecutor(50) as pool:
         codes = list(pool.map(lambda _: h.post("resync"), range(50)))
     unauthorized = h.post("resync", token=None)
-    row.status = f"{codes.count(200)}x200 {codes.count(409)}x409 others={[c for c in codes if c not in (200, 409)]}; " \
-                 f"no token: {unauthorized}"
+    row.status = (
+        f"{codes.count(200)}x200 {codes.count(409)}x409 others={[c for c in codes if c not in (200, 409)]}; "
+        f"no token: {unauthorized}"
+    )
     h.check_serving(row)
     st = h.wait(lambda s: s["current_step"] == served and s["last_error"] is None)
     row.converged = st is not None and set(codes) <= {200, 409} and unauthorized == 401
@@ -514,11 +523,16 @@ def fault_frozen_head(h: Harness, row: Row) -> None:
     shutil.copy(scratch / store_keys.HEARTBEAT_KEY, h.store / store_keys.HEARTBEAT_KEY)
     st = h.wait(lambda s: s["published_step_seen"] == h.step, 60)
     st = st or h.status()
-    row.status = (f"published_step_seen={st['published_step_seen']} staleness_steps={st['staleness_steps']} "
-                  f"trainer_seen_seconds={st['trainer_seen_seconds']} current_step={st['current_step']}")
+    row.status = (
+        f"published_step_seen={st['published_step_seen']} staleness_steps={st['staleness_steps']} "
+        f"trainer_seen_seconds={st['trainer_seen_seconds']} current_step={st['current_step']}"
+    )
     h.check_serving(row)
-    ok = st["published_step_seen"] == h.step and st["staleness_steps"] == h.step - served == 2 \
+    ok = (
+        st["published_step_seen"] == h.step
+        and st["staleness_steps"] == h.step - served == 2
         and st["current_step"] == served
+    )
     shutil.copy(scratch / store_keys.HEAD_KEY, h.store / store_keys.HEAD_KEY)
     st2 = h.wait(lambda s: s["current_step"] == h.step and s["last_error"] is None and s["staleness_steps"] == 0)
     row.converged, row.served_after = ok and st2 is not None, h.status()["current_snapshot_id"]
@@ -527,8 +541,11 @@ def fault_frozen_head(h: Harness, row: Row) -> None:
 def fault_post_without_token(h: Harness, row: Row) -> None:
     """POST /notify and /resync without the admin token, or with a wrong one: refused."""
     served, resync_before = h.status()["current_step"], h.status()["last_resync"]
-    codes = {f"{route} {label}": h.post(route, token=token)
-             for route in ("notify", "resync") for label, token in (("no token", None), ("wrong token", "wrong"))}
+    codes = {
+        f"{route} {label}": h.post(route, token=token)
+        for route in ("notify", "resync")
+        for label, token in (("no token", None), ("wrong token", "wrong"))
+    }
     row.status = ", ".join(f"{k}: {v}" for k, v in codes.items())
     h.check_serving(row)
     st = h.status()
@@ -596,8 +613,10 @@ def run_engine(engine: str, work: Path, models: list[Path], faults: list[str], o
 
 def _format(row: Row) -> str:
     yes = {True: "yes", False: "NO"}
-    return (f"| {row.fault} | {row.engine} | {yes[row.generating]} | {yes[row.consistent]} | "
-            f"{row.status[:110]} | {yes[row.converged]} | {row.served_after} | {row.note} |")
+    return (
+        f"| {row.fault} | {row.engine} | {yes[row.generating]} | {yes[row.consistent]} | "
+        f"{row.status[:110]} | {yes[row.converged]} | {row.served_after} | {row.note} |"
+    )
 
 
 def main() -> None:
@@ -609,18 +628,26 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="delta-swap-faults-"))
     # ~85 MB of bf16 weights: large enough that an update lasts long enough to kill a server in it.
-    models = [make_tiny_model(work / "models" / "m0", hidden_size=768, num_layers=6, num_heads=12, num_kv_heads=4,
-                              intermediate_size=2048)]
+    models = [
+        make_tiny_model(
+            work / "models" / "m0", hidden_size=768, num_layers=6, num_heads=12, num_kv_heads=4, intermediate_size=2048
+        )
+    ]
     for i in range(1, 3):
         models.append(perturb_weights(models[-1], work / "models" / f"m{i}", seed=i, fraction=0.25))
     faults = args.only or list(FAULTS)
-    print("| fault | engine | kept generating | one consistent version | status says | converged | serves after | note |")
+    print(
+        "| fault | engine | kept generating | one consistent version | status says | converged | serves after | note |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     rows = []
-    for engine in (["vllm", "sglang"] if args.engine == "both" else [args.engine]):
+    for engine in ["vllm", "sglang"] if args.engine == "both" else [args.engine]:
         rows += run_engine(engine, work / engine, models, faults, args.outage)
-    bad = [r for r in rows if not (r.converged and r.generating and r.consistent) and r.status != "skipped"
-           and "no key" not in r.fault]
+    bad = [
+        r
+        for r in rows
+        if not (r.converged and r.generating and r.consistent) and r.status != "skipped" and "no key" not in r.fault
+    ]
     print(f"\n{len(rows) - len(bad)} of {len(rows)} rows as expected; logs in {work}")
     sys.exit(1 if bad else 0)
 

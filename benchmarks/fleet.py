@@ -122,8 +122,12 @@ class Load:
         rng = random.Random(key)
         with httpx.Client(timeout=120) as client:
             while not self.stop.is_set():
-                body = {"model": "policy", "prompt": " ".join(rng.sample(WORDS, 5)),
-                        "max_tokens": self.cfg.load_tokens, "temperature": 1.0}
+                body = {
+                    "model": "policy",
+                    "prompt": " ".join(rng.sample(WORDS, 5)),
+                    "max_tokens": self.cfg.load_tokens,
+                    "temperature": 1.0,
+                }
                 try:
                     ok = client.post(f"{url}/v1/completions", json=body).status_code == 200
                 except httpx.HTTPError:
@@ -143,19 +147,45 @@ class Load:
 # ---------------------------------------------------------------------- one run per path
 
 
-def run_path(cfg: Config, path: str, work: Path, model: Path, sites: list[Site], store: Bucket,
-             key_paths: tuple[Path, Path]) -> dict:
+def run_path(
+    cfg: Config, path: str, work: Path, model: Path, sites: list[Site], store: Bucket, key_paths: tuple[Path, Path]
+) -> dict:
     """Start the trainer, caches and servers for ``path``; drive every phase; return the figures."""
     run_prefix = f"run-{path}-{int(time.time())}"
     control = work / f"control-{path}"
     shutil.rmtree(control, ignore_errors=True)
     control.mkdir(parents=True)
-    env = {**os.environ, **CREDENTIALS, "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{store.s3_port}", "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        **CREDENTIALS,
+        "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{store.s3_port}",
+        "PYTHONUNBUFFERED": "1",
+    }
     trainer = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.fleet_trainer", "--store", f"s3://{BUCKET}/{run_prefix}", "--model", str(model),
-         "--control", str(control), "--every", str(cfg.every), "--steps", str(cfg.steps), "--phases", *cfg.phases,
-         "--signing-key", str(key_paths[0])],
-        env=env, stdout=open(control / "trainer.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.fleet_trainer",
+            "--store",
+            f"s3://{BUCKET}/{run_prefix}",
+            "--model",
+            str(model),
+            "--control",
+            str(control),
+            "--every",
+            str(cfg.every),
+            "--steps",
+            str(cfg.steps),
+            "--phases",
+            *cfg.phases,
+            "--signing-key",
+            str(key_paths[0]),
+        ],
+        env=env,
+        stdout=open(control / "trainer.log", "wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     load = Load(cfg)
     cpus = os.cpu_count() or 1
     try:
@@ -170,12 +200,28 @@ def run_path(cfg: Config, path: str, work: Path, model: Path, sites: list[Site],
                 folder = work / f"{path}-{site.name}-{j}"
                 if engine == "vllm":  # spread the workers over the cores (vLLM pins each to one)
                     env = {**server_env, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(j % cpus)}
-                    server = vllm_server.start(model, folder, settings=settings, served_name="policy", wait=False,
-                                               env=env, host=site.host, prefix=launch)
+                    server = vllm_server.start(
+                        model,
+                        folder,
+                        settings=settings,
+                        served_name="policy",
+                        wait=False,
+                        env=env,
+                        host=site.host,
+                        prefix=launch,
+                    )
                 else:  # an idle SGLang scheduler busy-polls a core unless told to sleep
-                    server = sglang_server.start(model, folder, settings=settings, served_name="policy", wait=False,
-                                                 env=server_env, host=site.host, prefix=launch,
-                                                 extra=["--sleep-on-idle"])
+                    server = sglang_server.start(
+                        model,
+                        folder,
+                        settings=settings,
+                        served_name="policy",
+                        wait=False,
+                        env=server_env,
+                        host=site.host,
+                        prefix=launch,
+                        extra=["--sleep-on-idle"],
+                    )
                 site.servers.append((engine, server))
         for site in sites:
             for _, server in site.servers:
@@ -209,19 +255,22 @@ def _start_proxies(cfg: Config, path: str, work: Path, site: Site, read_port: in
         if site.region is not None:
             return f"{upstream}/{BUCKET}/{run_prefix}"
         port = free_port()
-        site.link = RegionalCache(work / f"link-{site.name}", upstream, listen=f"127.0.0.1:{port}",
-                                  limit_rate=limit, caching=False).start()
+        site.link = RegionalCache(
+            work / f"link-{site.name}", upstream, listen=f"127.0.0.1:{port}", limit_rate=limit, caching=False
+        ).start()
         site.link.wait_ready(f"http://127.0.0.1:{port}/")
         return f"http://127.0.0.1:{port}/{BUCKET}/{run_prefix}"
     port = 8080 if site.region is not None else free_port()
-    site.cache = RegionalCache(work / f"cache-{site.name}", upstream, listen=f"127.0.0.1:{port}",
-                               prefix=site.prefix, limit_rate=limit).start()
+    site.cache = RegionalCache(
+        work / f"cache-{site.name}", upstream, listen=f"127.0.0.1:{port}", prefix=site.prefix, limit_rate=limit
+    ).start()
     site.cache.wait_ready(f"http://127.0.0.1:{port}/", prefix=site.prefix)
     return f"http://127.0.0.1:{port}/{BUCKET}/{run_prefix}"
 
 
-def _run_phase(cfg: Config, phase: str, control: Path, trainer: subprocess.Popen, sites: list[Site],
-               load: Load) -> dict:
+def _run_phase(
+    cfg: Config, phase: str, control: Path, trainer: subprocess.Popen, sites: list[Site], load: Load
+) -> dict:
     """Let the trainer publish one phase; sample every server until all serve its last step."""
     before = _counters(sites, load)
     (control / f"go-{phase}").touch()
@@ -232,14 +281,23 @@ def _run_phase(cfg: Config, phase: str, control: Path, trainer: subprocess.Popen
         for site in sites:
             for j, (_, server) in enumerate(site.servers):
                 st = _status(server)
-                samples.append({"t": now, "site": site.name, "server": j, "step": st.get("current_step"),
-                                "paused": st.get("paused_seconds_total"), "timings": st.get("last_update_timings_s"),
-                                "updates": st.get("updates_applied"), "error": st.get("last_error")})
+                samples.append(
+                    {
+                        "t": now,
+                        "site": site.name,
+                        "server": j,
+                        "step": st.get("current_step"),
+                        "paused": st.get("paused_seconds_total"),
+                        "timings": st.get("last_update_timings_s"),
+                        "updates": st.get("updates_applied"),
+                        "error": st.get("last_error"),
+                    }
+                )
         if done_at is None and (control / f"done-{phase}").exists():
             done_at = now
         if done_at is not None:
             last = max(c["step"] for c in _commits(control))
-            caught_up = all(s["step"] == last for s in samples[-sum(len(x.servers) for x in sites):])
+            caught_up = all(s["step"] == last for s in samples[-sum(len(x.servers) for x in sites) :])
             if caught_up or now - done_at > cfg.settle_s:
                 break
         if trainer.poll() is not None and done_at is None:
@@ -272,7 +330,7 @@ def summarize(cfg: Config, run: dict, sites: list[Site]) -> list[dict]:
         deltas = [c["payload_bytes"] for c in mine if c["kind"] == "delta"]
         delta_frac = statistics.fmean(deltas) / model_bytes if deltas else 0.0
         window, bases = len(mine), sum(1 for c in mine if c["kind"] == "base")
-        per_region = (bases * model_bytes + (window - bases) * delta_frac * model_bytes)
+        per_region = bases * model_bytes + (window - bases) * delta_frac * model_bytes
         readers = 1 if run["path"] == "cache" else cfg.servers
         elapsed = data["ended"] - data["started"]
         for site in sites:
@@ -290,22 +348,44 @@ def summarize(cfg: Config, run: dict, sites: list[Site]) -> list[dict]:
             paused = [data["after"]["paused"][k] - data["before"]["paused"].get(k, 0.0) for k in keys]
             served = sum(data["after"]["load"][k][0] - data["before"]["load"].get(k, (0, 0))[0] for k in keys)
             failed = sum(data["after"]["load"][k][1] - data["before"]["load"].get(k, (0, 0))[1] for k in keys)
-            windows = sorted({(s["server"], s["updates"]): sum((s["timings"] or {}).get(p, 0.0)
-                                                            for p in ("pause", "swap", "resume"))
-                              for s in data["samples"] if s["site"] == name and s["updates"]}.values())
+            windows = sorted(
+                {
+                    (s["server"], s["updates"]): sum(
+                        (s["timings"] or {}).get(p, 0.0) for p in ("pause", "swap", "resume")
+                    )
+                    for s in data["samples"]
+                    if s["site"] == name and s["updates"]
+                }.values()
+            )
             moved = data["after"]["bytes"][name] - data["before"]["bytes"][name]
             final = {s["server"]: s["step"] for s in data["samples"] if s["site"] == name}
-            rows.append({
-                "path": run["path"], "phase": phase, "region": name, "engine": run["engines"][name],
-                "snapshots": window, "bases": bases, "delta_fraction": delta_frac, "model_bytes": model_bytes,
-                "stale_steps_p50": _pct(stale_steps, 50), "stale_steps_p95": _pct(stale_steps, 95),
-                "stale_s_p50": _pct(stale_s, 50), "stale_s_p95": _pct(stale_s, 95),
-                "generating": 1 - statistics.fmean(paused) / elapsed if paused else None,
-                "swap_pause_ms_p50": 1000 * _pct(windows, 50), "swap_pause_ms_max": 1000 * (max(windows) if windows else 0),
-                "served": served, "failed": failed, "bytes_moved": moved, "bytes_model": per_region * readers,
-                "seconds": elapsed, "cache": data["after"]["cache"].get(name),
-                "last_step": max((c["step"] for c in mine), default=None), "final_steps": [final[j] for j in sorted(final)],
-            })
+            rows.append(
+                {
+                    "path": run["path"],
+                    "phase": phase,
+                    "region": name,
+                    "engine": run["engines"][name],
+                    "snapshots": window,
+                    "bases": bases,
+                    "delta_fraction": delta_frac,
+                    "model_bytes": model_bytes,
+                    "stale_steps_p50": _pct(stale_steps, 50),
+                    "stale_steps_p95": _pct(stale_steps, 95),
+                    "stale_s_p50": _pct(stale_s, 50),
+                    "stale_s_p95": _pct(stale_s, 95),
+                    "generating": 1 - statistics.fmean(paused) / elapsed if paused else None,
+                    "swap_pause_ms_p50": 1000 * _pct(windows, 50),
+                    "swap_pause_ms_max": 1000 * (max(windows) if windows else 0),
+                    "served": served,
+                    "failed": failed,
+                    "bytes_moved": moved,
+                    "bytes_model": per_region * readers,
+                    "seconds": elapsed,
+                    "cache": data["after"]["cache"].get(name),
+                    "last_step": max((c["step"] for c in mine), default=None),
+                    "final_steps": [final[j] for j in sorted(final)],
+                }
+            )
     return rows
 
 
@@ -317,17 +397,21 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = (f"{'path':<7}{'phase':<7}{'region':<8}{'engine':<8}{'stale steps p50/p95':>20}{'stale s p50/p95':>17}"
-            f"{'generating':>11}{'pause ms p50/max':>18}{'served/failed':>14}{'MB moved':>10}{'MB formula':>11}")
+    head = (
+        f"{'path':<7}{'phase':<7}{'region':<8}{'engine':<8}{'stale steps p50/p95':>20}{'stale s p50/p95':>17}"
+        f"{'generating':>11}{'pause ms p50/max':>18}{'served/failed':>14}{'MB moved':>10}{'MB formula':>11}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
         gen = f"{100 * r['generating']:.1f}%" if r["generating"] is not None else "-"
-        print(f"{r['path']:<7}{r['phase']:<7}{r['region']:<8}{r['engine']:<8}"
-              f"{r['stale_steps_p50']:>11.0f}/{r['stale_steps_p95']:<8.0f}"
-              f"{r['stale_s_p50']:>9.1f}/{r['stale_s_p95']:<7.1f}{gen:>11}"
-              f"{r['swap_pause_ms_p50']:>10.0f}/{r['swap_pause_ms_max']:<7.0f}"
-              f"{r['served']:>9}/{r['failed']:<4}{r['bytes_moved'] / 1e6:>10.1f}{r['bytes_model'] / 1e6:>11.1f}")
+        print(
+            f"{r['path']:<7}{r['phase']:<7}{r['region']:<8}{r['engine']:<8}"
+            f"{r['stale_steps_p50']:>11.0f}/{r['stale_steps_p95']:<8.0f}"
+            f"{r['stale_s_p50']:>9.1f}/{r['stale_s_p95']:<7.1f}{gen:>11}"
+            f"{r['swap_pause_ms_p50']:>10.0f}/{r['swap_pause_ms_max']:<7.0f}"
+            f"{r['served']:>9}/{r['failed']:<4}{r['bytes_moved'] / 1e6:>10.1f}{r['bytes_model'] / 1e6:>11.1f}"
+        )
 
 
 def plot(runs: list[dict], path: Path) -> None:
@@ -337,8 +421,9 @@ def plot(runs: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     phases = list(runs[0]["phases"])
-    fig, axes = plt.subplots(len(runs), len(phases), figsize=(6 * len(phases), 3.2 * len(runs)), squeeze=False,
-                             sharey=True)
+    fig, axes = plt.subplots(
+        len(runs), len(phases), figsize=(6 * len(phases), 3.2 * len(runs)), squeeze=False, sharey=True
+    )
     for row, run in zip(axes, runs):
         commits = [c for c in run["commits"] if c["phase"] != "setup"]
         for ax, phase in zip(row, phases):
@@ -404,16 +489,34 @@ def bucket(work: Path) -> Iterator[Bucket]:
     front fetches each object from moto once and serves ranges the way S3 does, for both paths."""
     port = free_port()
     front = None
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "0.0.0.0", "-p", str(port)],
-                            stdout=open(work / "moto.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "0.0.0.0", "-p", str(port)],
+        stdout=open(work / "moto.log", "wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         _wait_until(lambda: _answers(f"http://127.0.0.1:{port}/"), 60, "moto")
         import boto3
 
         s3 = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", **_boto_credentials())
         s3.create_bucket(Bucket=BUCKET)
-        s3.put_bucket_policy(Bucket=BUCKET, Policy=json.dumps({"Version": "2012-10-17", "Statement": [
-            {"Effect": "Allow", "Principal": "*", "Action": "s3:GetObject", "Resource": f"arn:aws:s3:::{BUCKET}/*"}]}))
+        s3.put_bucket_policy(
+            Bucket=BUCKET,
+            Policy=json.dumps(
+                {
+                    "Version": "2012-10-17",
+                    "Statement": [
+                        {
+                            "Effect": "Allow",
+                            "Principal": "*",
+                            "Action": "s3:GetObject",
+                            "Resource": f"arn:aws:s3:::{BUCKET}/*",
+                        }
+                    ],
+                }
+            ),
+        )
         read_port = free_port()
         front = RegionalCache(work / "bucket-front", f"http://127.0.0.1:{port}", listen=f"0.0.0.0:{read_port}").start()
         front.wait_ready(f"http://127.0.0.1:{read_port}/")
@@ -429,8 +532,11 @@ def bucket(work: Path) -> Iterator[Bucket]:
 
 
 def _boto_credentials() -> dict:
-    return {"aws_access_key_id": CREDENTIALS["AWS_ACCESS_KEY_ID"], "aws_secret_access_key": CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
-            "region_name": CREDENTIALS["AWS_DEFAULT_REGION"]}
+    return {
+        "aws_access_key_id": CREDENTIALS["AWS_ACCESS_KEY_ID"],
+        "aws_secret_access_key": CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+        "region_name": CREDENTIALS["AWS_DEFAULT_REGION"],
+    }
 
 
 def _answers(url: str) -> bool:
@@ -462,8 +568,11 @@ def run(cfg: Config, work: Path, out: Path | None) -> list[dict]:
     runs, rows = [], []
     with bucket(work) as store, network(cfg) as sites:
         for path in cfg.paths:
-            print(f"== {path}: {cfg.regions} regions x {cfg.servers} servers, links {cfg.mbit:g} Mbit/s, "
-                  f"model {cfg.size}, a snapshot every {cfg.every:g} s", flush=True)
+            print(
+                f"== {path}: {cfg.regions} regions x {cfg.servers} servers, links {cfg.mbit:g} Mbit/s, "
+                f"model {cfg.size}, a snapshot every {cfg.every:g} s",
+                flush=True,
+            )
             result = run_path(cfg, path, work, model, sites, store, key_paths)
             result["rows"] = summarize(cfg, result, sites)
             print_table(result["rows"])
@@ -474,14 +583,17 @@ def run(cfg: Config, work: Path, out: Path | None) -> list[dict]:
     for phase in cfg.phases:
         mine = [r for r in rows if r["phase"] == phase]
         if mine:
-            print(f"{phase}: measured delta size {100 * mine[0]['delta_fraction']:.2f}% of {mine[0]['model_bytes'] / 1e6:.0f} MB; "
-                  f"model bytes per region (f*C + (W-f)*dC) with W={mine[0]['snapshots']}, f={mine[0]['bases']}")
+            print(
+                f"{phase}: measured delta size {100 * mine[0]['delta_fraction']:.2f}% of {mine[0]['model_bytes'] / 1e6:.0f} MB; "
+                f"model bytes per region (f*C + (W-f)*dC) with W={mine[0]['snapshots']}, f={mine[0]['bases']}"
+            )
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         plot(runs, out.with_suffix(".png"))
         compact = [{"path": r["path"], "rows": r["rows"], "commits": r["commits"]} for r in runs]
-        out.with_suffix(".json").write_text(json.dumps({"config": cfg.__dict__, "runs": compact}, indent=1,
-                                                       default=str))
+        out.with_suffix(".json").write_text(
+            json.dumps({"config": cfg.__dict__, "runs": compact}, indent=1, default=str)
+        )
         print(f"wrote {out.with_suffix('.png')} and {out.with_suffix('.json')}")
     return rows
 
@@ -502,8 +614,17 @@ def main() -> None:
     args = parser.parse_args()
     for sig in (signal.SIGTERM, signal.SIGHUP):  # unwind through every finally: nothing is left behind
         signal.signal(sig, netlab.exit_on_signal)
-    cfg = Config(size=args.size, regions=args.regions, servers=args.servers, mbit=args.mbit, every=args.every,
-                 steps=args.steps, paths=tuple(args.paths), phases=tuple(args.phases), sglang_regions=args.sglang_regions)
+    cfg = Config(
+        size=args.size,
+        regions=args.regions,
+        servers=args.servers,
+        mbit=args.mbit,
+        every=args.every,
+        steps=args.steps,
+        paths=tuple(args.paths),
+        phases=tuple(args.phases),
+        sglang_regions=args.sglang_regions,
+    )
     run(cfg, args.workdir, args.out)
 
 

@@ -42,21 +42,37 @@ def main() -> None:
     weights = load_file(str(args.model / "model.safetensors"))
     model_bytes = sum(t.numel() * t.element_size() for t in weights.values())
     gen = torch.Generator().manual_seed(0)
-    files = {n: (args.model / n).read_bytes() for n in ("config.json", "tokenizer.json", "tokenizer_config.json")
-             if (args.model / n).exists()}
-    config = PublisherConfig(base_every=1_000_000, keep_bases=args.keep_bases, signing_key=args.signing_key,
-                             resume=False)
+    files = {
+        n: (args.model / n).read_bytes()
+        for n in ("config.json", "tokenizer.json", "tokenizer_config.json")
+        if (args.model / n).exists()
+    }
+    config = PublisherConfig(
+        base_every=1_000_000, keep_bases=args.keep_bases, signing_key=args.signing_key, resume=False
+    )
     log = (control / "trainer.jsonl").open("a")
     with Publisher(args.store, config, files=files) as publisher:
+
         def publish(step: int, phase: str) -> None:
             start = time.time()
             snapshot_id = publisher.publish(step, weights, force_base=phase != "delta")
             publisher.flush()
             manifest = publisher.last_manifest
             assert manifest is not None and manifest.snapshot_id == snapshot_id
-            log.write(json.dumps({"phase": phase, "step": step, "kind": str(manifest.kind), "t": time.time(),
-                                  "publish_s": time.time() - start, "payload_bytes": manifest.payload_bytes,
-                                  "model_bytes": model_bytes}) + "\n")
+            log.write(
+                json.dumps(
+                    {
+                        "phase": phase,
+                        "step": step,
+                        "kind": str(manifest.kind),
+                        "t": time.time(),
+                        "publish_s": time.time() - start,
+                        "payload_bytes": manifest.payload_bytes,
+                        "model_bytes": model_bytes,
+                    }
+                )
+                + "\n"
+            )
             log.flush()
 
         publish(0, "setup")

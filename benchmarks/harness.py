@@ -80,8 +80,11 @@ class Trainer:
         shutil.rmtree(self.store, ignore_errors=True)  # a fresh chain: the store is this trainer's own
         self.weights = load_file(str(self.model / "model.safetensors"))
         self.gen = torch.Generator().manual_seed(0)
-        self.publisher = Publisher(str(self.store), PublisherConfig(base_every=10_000),
-                                   files={"config.json": (self.model / "config.json").read_bytes()})
+        self.publisher = Publisher(
+            str(self.store),
+            PublisherConfig(base_every=10_000),
+            files={"config.json": (self.model / "config.json").read_bytes()},
+        )
         self.publisher.publish(0, self.weights)
         self.publisher.flush()
 
@@ -156,19 +159,44 @@ class PublishedAhead:
 
 
 @contextlib.contextmanager
-def engine_server(engine: str, model: Path, work: Path, *, store: Path | None, settings: dict | None = None,
-                  kv_cache_gib: int = 2, wait: bool = True) -> Iterator[Server]:
+def engine_server(
+    engine: str,
+    model: Path,
+    work: Path,
+    *,
+    store: Path | None,
+    settings: dict | None = None,
+    kv_cache_gib: int = 2,
+    wait: bool = True,
+) -> Iterator[Server]:
     """One engine server on ``model``; with ``store``, the plugin follows it (``settings`` added).
     Without ``wait`` it is yielded as soon as it is launched (call ``wait_healthy``)."""
     plugin = store is not None
     options = {"store": store.as_uri(), "poll_interval": 0.2, **(settings or {})} if plugin else None
     if engine == "vllm":
         env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
-        server = vllm_server.start(model, work, settings=options, plugin=plugin, served_name=MODEL_NAME, env=env,
-                                   log_name=f"vllm-{time.monotonic_ns()}.log", timeout_s=900, wait=wait)
+        server = vllm_server.start(
+            model,
+            work,
+            settings=options,
+            plugin=plugin,
+            served_name=MODEL_NAME,
+            env=env,
+            log_name=f"vllm-{time.monotonic_ns()}.log",
+            timeout_s=900,
+            wait=wait,
+        )
     else:
-        server = sglang_server.start(model, work, settings=options, plugin=plugin, served_name=MODEL_NAME,
-                                     log_name=f"sglang-{time.monotonic_ns()}.log", timeout_s=900, wait=wait)
+        server = sglang_server.start(
+            model,
+            work,
+            settings=options,
+            plugin=plugin,
+            served_name=MODEL_NAME,
+            log_name=f"sglang-{time.monotonic_ns()}.log",
+            timeout_s=900,
+            wait=wait,
+        )
     try:
         yield server
     finally:
@@ -198,8 +226,7 @@ def wait_step(url: str, step: int, timeout: float = 600, every_s: float = 0.02) 
 def wait_ready(url: str, timeout: float = 900) -> dict:
     """The server's status once it serves its first snapshot and its codec is compiled (a cold
     numba cache costs ~15 s of a core, which must not land inside a measurement)."""
-    return wait_status(url, lambda st: st["current_step"] is not None and st["codec_ready"], "get ready",
-                       timeout, 0.2)
+    return wait_status(url, lambda st: st["current_step"] is not None and st["codec_ready"], "get ready", timeout, 0.2)
 
 
 def engine_reload(engine: str, url: str, folder: Path, version: str | None) -> float:

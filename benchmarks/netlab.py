@@ -65,8 +65,10 @@ class Lab:
 
     def __init__(self, regions: int, mbit: float) -> None:
         self.mbit = mbit
-        self.regions = [Region(i, f"{PREFIX}-r{i}", f"{PREFIX}{i}h", f"10.231.{i}.1", f"10.231.{i}.2")
-                        for i in range(1, regions + 1)]
+        self.regions = [
+            Region(i, f"{PREFIX}-r{i}", f"{PREFIX}{i}h", f"10.231.{i}.1", f"10.231.{i}.2")
+            for i in range(1, regions + 1)
+        ]
         self._up = False
         self._handlers: dict[int, object] = {}
 
@@ -95,8 +97,21 @@ class Lab:
             _run("ip", "-n", r.netns, "addr", "add", f"{r.region_ip}/24", "dev", f"{PREFIX}{r.index}n")
             _run("ip", "-n", r.netns, "link", "set", f"{PREFIX}{r.index}n", "up")
             _run("ip", "-n", r.netns, "link", "set", "lo", "up")
-            _run("tc", "qdisc", "add", "dev", r.host_dev, "root", "tbf", "rate", f"{self.mbit}mbit",
-                 "burst", str(burst), "latency", "400ms")
+            _run(
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                r.host_dev,
+                "root",
+                "tbf",
+                "rate",
+                f"{self.mbit}mbit",
+                "burst",
+                str(burst),
+                "latency",
+                "400ms",
+            )
         return self.regions
 
     def close(self) -> None:

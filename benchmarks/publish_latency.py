@@ -60,8 +60,10 @@ def measure(engine: str, size: str, work: Path, updates: int) -> dict:
 def summarize(rows: list[dict]) -> list[str]:
     lines = [f"{'engine':<7} {'size':>5} {'model MB':>9} {'delta-swap s':>13} {'full checkpoint s':>18}"]
     for r in rows:
-        lines.append(f"{r['engine']:<7} {r['size']:>5} {r['model_bytes'] / 1e6:>9.0f} "
-                     f"{statistics.median(r['delta_s']):>13.2f} {statistics.median(r['full_s']):>18.2f}")
+        lines.append(
+            f"{r['engine']:<7} {r['size']:>5} {r['model_bytes'] / 1e6:>9.0f} "
+            f"{statistics.median(r['delta_s']):>13.2f} {statistics.median(r['full_s']):>18.2f}"
+        )
     return lines
 
 
@@ -76,10 +78,20 @@ def plot(rows: list[dict], path: Path) -> None:
     for engine in sorted({r["engine"] for r in rows}):
         mine = sorted((r for r in rows if r["engine"] == engine), key=lambda r: r["model_bytes"])
         x = [r["model_bytes"] / 1e6 for r in mine]
-        ax.plot(x, [statistics.median(r["delta_s"]) for r in mine], "o-", color=colors[engine],
-                label=f"{engine}: delta-swap publish -> serving")
-        ax.plot(x, [statistics.median(r["full_s"]) for r in mine], "s--", color=colors[engine],
-                label=f"{engine}: write full checkpoint + engine reload")
+        ax.plot(
+            x,
+            [statistics.median(r["delta_s"]) for r in mine],
+            "o-",
+            color=colors[engine],
+            label=f"{engine}: delta-swap publish -> serving",
+        )
+        ax.plot(
+            x,
+            [statistics.median(r["full_s"]) for r in mine],
+            "s--",
+            color=colors[engine],
+            label=f"{engine}: write full checkpoint + engine reload",
+        )
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("model size (MB of bf16 weights)")

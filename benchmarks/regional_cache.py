@@ -82,18 +82,31 @@ class RegionalCache:
         (self.root / "tmp").mkdir(parents=True)
         limit = f"proxy_limit_rate {self.limit_rate};" if self.limit_rate else ""
         conf = self.root / "nginx.conf"
-        conf.write_text(CONFIG.format(root=self.root, upstream=self.upstream, listen=self.listen, limit=limit,
-                                      max_size=self.max_size, cache="snapshots" if self.caching else "off",
-                                      user=f"user {getpass.getuser()};\n" if os.geteuid() == 0 else ""))
-        self.proc = subprocess.Popen([*self.prefix, "nginx", "-c", str(conf), "-p", str(self.root), "-g", "daemon off;"],
-                                     stdout=subprocess.DEVNULL, stderr=open(self.root / "stderr.log", "wb"),
-                                     start_new_session=True)
+        conf.write_text(
+            CONFIG.format(
+                root=self.root,
+                upstream=self.upstream,
+                listen=self.listen,
+                limit=limit,
+                max_size=self.max_size,
+                cache="snapshots" if self.caching else "off",
+                user=f"user {getpass.getuser()};\n" if os.geteuid() == 0 else "",
+            )
+        )
+        self.proc = subprocess.Popen(
+            [*self.prefix, "nginx", "-c", str(conf), "-p", str(self.root), "-g", "daemon off;"],
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.root / "stderr.log", "wb"),
+            start_new_session=True,
+        )
         return self
 
     def wait_ready(self, url: str, timeout_s: float = 30, prefix: Sequence[str] = ()) -> None:
         """Wait until ``url`` answers (asked from inside ``prefix``, e.g. the region's namespace)."""
-        code = ("import sys, urllib.error as e, urllib.request as u\n"
-                f"try: u.urlopen({url!r}, timeout=2)\nexcept e.HTTPError: pass\n")  # any HTTP answer will do
+        code = (
+            "import sys, urllib.error as e, urllib.request as u\n"
+            f"try: u.urlopen({url!r}, timeout=2)\nexcept e.HTTPError: pass\n"
+        )  # any HTTP answer will do
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:

@@ -65,11 +65,35 @@ def cache_root() -> Path:
 #: The learning rates and configuration of each corpus: ``python -m benchmarks.codec_bench --corpus NAME``.
 CORPORA: dict[str, tuple[CorpusConfig, tuple[float, ...]]] = {
     "llama": (CorpusConfig(), (1e-6, 3e-6, 1e-5)),
-    "qwen2": (CorpusConfig(architecture="qwen2", hidden_size=512, intermediate_size=1408, num_layers=8,
-                           num_heads=8, num_kv_heads=2, vocab_size=4096, seed=7), (3e-6, 1e-5)),
+    "qwen2": (
+        CorpusConfig(
+            architecture="qwen2",
+            hidden_size=512,
+            intermediate_size=1408,
+            num_layers=8,
+            num_heads=8,
+            num_kv_heads=2,
+            vocab_size=4096,
+            seed=7,
+        ),
+        (3e-6, 1e-5),
+    ),
     # A 0.1M-parameter model built in seconds: the CI-sized smoke run of the codec benchmark.
-    "smoke": (CorpusConfig(hidden_size=64, intermediate_size=160, num_layers=2, num_heads=4, num_kv_heads=2,
-                           vocab_size=512, text_bytes=200_000, seq_len=64, pretrain_steps=10, seed=3), (1e-5,)),
+    "smoke": (
+        CorpusConfig(
+            hidden_size=64,
+            intermediate_size=160,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            vocab_size=512,
+            text_bytes=200_000,
+            seq_len=64,
+            pretrain_steps=10,
+            seed=3,
+        ),
+        (1e-5,),
+    ),
 }
 
 
@@ -118,10 +142,16 @@ def _sequence_nll(model: torch.nn.Module, windows: torch.Tensor) -> torch.Tensor
 
 
 def _new_model(config: CorpusConfig) -> torch.nn.Module:
-    shape = dict(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-                 intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
-                 num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
-                 max_position_embeddings=config.seq_len, tie_word_embeddings=False)
+    shape = dict(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        max_position_embeddings=config.seq_len,
+        tie_word_embeddings=False,
+    )
     if config.architecture == "qwen2":
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -158,9 +188,7 @@ def _bf16(model: torch.nn.Module) -> StateDict:
     return {name: t.detach().to(torch.bfloat16).contiguous() for name, t in model.state_dict().items()}
 
 
-def _rl_run(
-    config: CorpusConfig, tokens: torch.Tensor, start: StateDict, lr: float, steps: int
-) -> list[StateDict]:
+def _rl_run(config: CorpusConfig, tokens: torch.Tensor, start: StateDict, lr: float, steps: int) -> list[StateDict]:
     """bf16 snapshots before and after each of ``steps`` AdamW steps at learning rate ``lr``."""
     model = _new_model(config)
     model.load_state_dict(start)
@@ -189,9 +217,7 @@ def build_corpus(
 ) -> dict[float, list[Path]]:
     """Build (or reuse) the corpus; per lr, the paths of ``steps + 1`` consecutive bf16 checkpoints."""
     directory = cache_root() / _config_key(config)
-    wanted = {
-        lr: [directory / f"lr{lr:g}" / f"step{i:04d}.safetensors" for i in range(steps + 1)] for lr in lrs
-    }
+    wanted = {lr: [directory / f"lr{lr:g}" / f"step{i:04d}.safetensors" for i in range(steps + 1)] for lr in lrs}
     missing = [lr for lr, paths in wanted.items() if not all(p.exists() for p in paths)]
     if missing:
         tokens = _token_stream(config)
@@ -226,8 +252,9 @@ def corpus_runs(names: list[str], steps: int) -> Iterator[tuple[str, float, list
             yield name, lr, checkpoints
 
 
-def changed_bf16_triples(checkpoints: list[StateDict]) -> Iterator[tuple[tuple[int, ...], np.ndarray, np.ndarray,
-                                                                         np.ndarray]]:
+def changed_bf16_triples(
+    checkpoints: list[StateDict],
+) -> Iterator[tuple[tuple[int, ...], np.ndarray, np.ndarray, np.ndarray]]:
     """For every checkpoint pair that has a previous one, every bf16 tensor that changed:
     (shape, old, new, before) as flat uint16 arrays of bits (before: the checkpoint before old)."""
     for before, old, new in zip(checkpoints, checkpoints[1:], checkpoints[2:]):

@@ -53,9 +53,14 @@ def measure(engine: str, size: str, work: Path, updates: int) -> dict:
                 publish_s = trainer.publish_current()
                 st = wait_step(server.url, trainer.step)
                 timings = st["last_update_timings_s"]
-                rows["updates"].append({"window_s": sum(timings.get(p, 0.0) for p in WINDOW_PHASES),
-                                        "publish_s": publish_s, "publish_to_serving_s": time.perf_counter() - start,
-                                        "timings": timings})
+                rows["updates"].append(
+                    {
+                        "window_s": sum(timings.get(p, 0.0) for p in WINDOW_PHASES),
+                        "publish_s": publish_s,
+                        "publish_to_serving_s": time.perf_counter() - start,
+                        "timings": timings,
+                    }
+                )
             rows["swap_path"] = status(server.url).get("swap_path")
             folder = trainer.write_checkpoint(run / "checkpoint")
             version = status(server.url)["current_snapshot_id"]
@@ -67,15 +72,19 @@ def measure(engine: str, size: str, work: Path, updates: int) -> dict:
 
 
 def summarize(rows: list[dict]) -> list[str]:
-    lines = [f"{'engine':<7} {'size':>5} {'model MB':>9} {'path':>7} {'delta-swap window ms':>21} "
-             f"{'engine reload ms':>17} {'ratio':>6} {'restart s':>10} {'publish->serving s':>19}"]
+    lines = [
+        f"{'engine':<7} {'size':>5} {'model MB':>9} {'path':>7} {'delta-swap window ms':>21} "
+        f"{'engine reload ms':>17} {'ratio':>6} {'restart s':>10} {'publish->serving s':>19}"
+    ]
     for r in rows:
         window = statistics.median(u["window_s"] for u in r["updates"])
         reload = statistics.median(r["reload_s"])
         latency = statistics.median(u["publish_to_serving_s"] for u in r["updates"])
-        lines.append(f"{r['engine']:<7} {r['size']:>5} {r['model_bytes'] / 1e6:>9.0f} {r.get('swap_path') or '-':>7} "
-                     f"{1000 * window:>21.1f} {1000 * reload:>17.1f} {window / reload:>6.2f} {r['restart_s']:>10.1f} "
-                     f"{latency:>19.2f}")
+        lines.append(
+            f"{r['engine']:<7} {r['size']:>5} {r['model_bytes'] / 1e6:>9.0f} {r.get('swap_path') or '-':>7} "
+            f"{1000 * window:>21.1f} {1000 * reload:>17.1f} {window / reload:>6.2f} {r['restart_s']:>10.1f} "
+            f"{latency:>19.2f}"
+        )
     return lines
 
 
@@ -90,10 +99,20 @@ def plot(rows: list[dict], path: Path) -> None:
     for engine in sorted({r["engine"] for r in rows}):
         mine = sorted((r for r in rows if r["engine"] == engine), key=lambda r: r["model_bytes"])
         x = [r["model_bytes"] / 1e6 for r in mine]
-        ax.plot(x, [statistics.median(u["window_s"] for u in r["updates"]) for r in mine], "o-",
-                color=colors[engine], label=f"{engine}: delta-swap (pause + swap)")
-        ax.plot(x, [statistics.median(r["reload_s"]) for r in mine], "s--", color=colors[engine],
-                label=f"{engine}: engine's own reload")
+        ax.plot(
+            x,
+            [statistics.median(u["window_s"] for u in r["updates"]) for r in mine],
+            "o-",
+            color=colors[engine],
+            label=f"{engine}: delta-swap (pause + swap)",
+        )
+        ax.plot(
+            x,
+            [statistics.median(r["reload_s"]) for r in mine],
+            "s--",
+            color=colors[engine],
+            label=f"{engine}: engine's own reload",
+        )
         ax.plot(x, [r["restart_s"] for r in mine], "^:", color=colors[engine], alpha=0.6, label=f"{engine}: restart")
     ax.set_xscale("log")
     ax.set_yscale("log")

@@ -113,8 +113,14 @@ class Load:
                 # logprobs: each chunk lists its tokens (an engine whose output handler falls behind
                 # merges several steps' text into one chunk: counting chunks would undercount them)
                 stream = self.client.completions.create(
-                    model=MODEL_NAME, prompt=PROMPT, max_tokens=max_tokens, temperature=1.0, stream=True,
-                    logprobs=1, extra_body={"ignore_eos": True})
+                    model=MODEL_NAME,
+                    prompt=PROMPT,
+                    max_tokens=max_tokens,
+                    temperature=1.0,
+                    stream=True,
+                    logprobs=1,
+                    extra_body={"ignore_eos": True},
+                )
                 for chunk in stream:
                     now = time.monotonic()
                     for choice in chunk.choices:
@@ -195,24 +201,36 @@ def run_mode(engine: str, model: Path, work: Path, mode: str, args: argparse.Nam
         load.close()
         final = status(server.url)
     lost = [local_loss(load.log, *r) for r in releases]
-    useful = {kind: sum(load.log.tokens_between(a, b, useful=True) for k, a, b in spans if k == kind) / spent[kind]
-              for kind in spent}
+    useful = {
+        kind: sum(load.log.tokens_between(a, b, useful=True) for k, a, b in spans if k == kind) / spent[kind]
+        for kind in spent
+    }
     finished = load.log.finished
     quiet, busy = tokens["quiet"] / spent["quiet"], tokens["updates"] / spent["updates"]
-    return {"engine": engine, "mode": mode, "measured": time.strftime("%Y-%m-%d"), "quiet_tokens_per_s": quiet, "tokens_per_s": busy,
-            "retained": busy / quiet if quiet else float("nan"), "seconds": spent,
-            # without the tokens of aborted requests, which a trainer samples again
-            "useful_tokens_per_s": useful,
-            "retained_useful": useful["updates"] / useful["quiet"] if useful["quiet"] else float("nan"),
-            "updates": len(windows), "window_s": windows, "window_tokens_per_s": rates,
-            # seconds of generation each update cost, against the load's speed just before it
-            # (the share of the update windows' time lost: updates come every interval + drain)
-            "lost_s": lost, "retained_local": 1 - sum(lost) / spent["updates"] if lost else float("nan"),
-            # requests that ended inside the run (those cut off when the load stops carry no reason)
-            "requests": sum(1 for f in finished if f["reason"]),
-            "aborted": sum(1 for f in finished if not ended_normally(f["reason"])),
-            "multi_version": sum(1 for f in finished if f["versions"] and len(f["versions"]) > 1),
-            "swap_path": final.get("swap_path")}
+    return {
+        "engine": engine,
+        "mode": mode,
+        "measured": time.strftime("%Y-%m-%d"),
+        "quiet_tokens_per_s": quiet,
+        "tokens_per_s": busy,
+        "retained": busy / quiet if quiet else float("nan"),
+        "seconds": spent,
+        # without the tokens of aborted requests, which a trainer samples again
+        "useful_tokens_per_s": useful,
+        "retained_useful": useful["updates"] / useful["quiet"] if useful["quiet"] else float("nan"),
+        "updates": len(windows),
+        "window_s": windows,
+        "window_tokens_per_s": rates,
+        # seconds of generation each update cost, against the load's speed just before it
+        # (the share of the update windows' time lost: updates come every interval + drain)
+        "lost_s": lost,
+        "retained_local": 1 - sum(lost) / spent["updates"] if lost else float("nan"),
+        # requests that ended inside the run (those cut off when the load stops carry no reason)
+        "requests": sum(1 for f in finished if f["reason"]),
+        "aborted": sum(1 for f in finished if not ended_normally(f["reason"])),
+        "multi_version": sum(1 for f in finished if f["versions"] and len(f["versions"]) > 1),
+        "swap_path": final.get("swap_path"),
+    }
 
 
 #: Seconds before and after an update compared by :func:`local_loss`.
@@ -239,18 +257,22 @@ def retained_useful(row: dict) -> float:
 
 
 def summarize(rows: list[dict]) -> list[str]:
-    lines = [f"{'engine':<7} {'drain':>6} {'tokens/s quiet':>15} {'with updates':>13} {'retained':>9} {'local':>7} "
-             f"{'useful':>7} "
-             f"{'lost s/update':>14} {'updates':>8} {'window ms':>10} {'requests':>9} {'aborted':>8} {'2+ versions':>12} "
-             f"{'measured':>11}"]
+    lines = [
+        f"{'engine':<7} {'drain':>6} {'tokens/s quiet':>15} {'with updates':>13} {'retained':>9} {'local':>7} "
+        f"{'useful':>7} "
+        f"{'lost s/update':>14} {'updates':>8} {'window ms':>10} {'requests':>9} {'aborted':>8} {'2+ versions':>12} "
+        f"{'measured':>11}"
+    ]
     for r in rows:
         window = 1000 * statistics.median(r["window_s"]) if r["window_s"] else 0.0
-        lines.append(f"{r['engine']:<7} {r['mode']:>6} {r['quiet_tokens_per_s']:>15.2f} {r['tokens_per_s']:>13.2f} "
-                     f"{100 * r['retained']:>8.1f}% {100 * r.get('retained_local', float('nan')):>6.1f}% "
-                     f"{100 * retained_useful(r):>6.1f}% "
-                     f"{statistics.median(r['lost_s']) if r.get('lost_s') else float('nan'):>14.2f} "
-                     f"{r['updates']:>8} {window:>10.1f} {r['requests']:>9} "
-                     f"{r['aborted']:>8} {r['multi_version']:>12} {r.get('measured', ''):>11}")
+        lines.append(
+            f"{r['engine']:<7} {r['mode']:>6} {r['quiet_tokens_per_s']:>15.2f} {r['tokens_per_s']:>13.2f} "
+            f"{100 * r['retained']:>8.1f}% {100 * r.get('retained_local', float('nan')):>6.1f}% "
+            f"{100 * retained_useful(r):>6.1f}% "
+            f"{statistics.median(r['lost_s']) if r.get('lost_s') else float('nan'):>14.2f} "
+            f"{r['updates']:>8} {window:>10.1f} {r['requests']:>9} "
+            f"{r['aborted']:>8} {r['multi_version']:>12} {r.get('measured', ''):>11}"
+        )
     return lines
 
 
@@ -270,8 +292,10 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         xs = [e + i * width for e in range(len(engines))]
         bars = ax.bar(xs, values, width, label=mode)
         ax.bar_label(bars, fmt="%.0f%%", fontsize=8)
-        local = [100 * by_run[e, mode].get("retained_local", float("nan")) if (e, mode) in by_run else float("nan")
-                 for e in engines]
+        local = [
+            100 * by_run[e, mode].get("retained_local", float("nan")) if (e, mode) in by_run else float("nan")
+            for e in engines
+        ]
         ax.plot(xs, local, "k_", markersize=14, label="local estimate" if i == 0 else None)
         useful = [100 * retained_useful(by_run[e, mode]) if (e, mode) in by_run else float("nan") for e in engines]
         ax.plot(xs, useful, "kx", markersize=6, label="without aborted requests' tokens" if i == 0 else None)
@@ -295,10 +319,14 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=120.0, help="seconds with updates (and as many without)")
     parser.add_argument("--rounds", type=int, default=4, help="windows of each kind (alternating)")
     parser.add_argument("--interval", type=float, default=10.0)
-    parser.add_argument("--warmup", type=float, default=5.0,
-                        help="seconds of load after its first requests ended, before measuring")
-    parser.add_argument("--merge", action="store_true",
-                        help="keep the JSON's rows of engines/modes not run now (table and plot show all)")
+    parser.add_argument(
+        "--warmup", type=float, default=5.0, help="seconds of load after its first requests ended, before measuring"
+    )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the JSON's rows of engines/modes not run now (table and plot show all)",
+    )
     parser.add_argument("--workdir")
     parser.add_argument("--json", default=str(DOCS / "throughput_under_updates.json"))
     parser.add_argument("--plot", default=str(DOCS / "throughput_under_updates.png"))
@@ -307,8 +335,11 @@ def main() -> None:
     model = make_model(work / "models", args.size)
     kept: list[dict] = []
     if args.merge and Path(args.json).exists():
-        kept = [r for r in json.loads(Path(args.json).read_text())
-                if not (r["engine"] in args.engines and r["mode"] in args.modes)]
+        kept = [
+            r
+            for r in json.loads(Path(args.json).read_text())
+            if not (r["engine"] in args.engines and r["mode"] in args.modes)
+        ]
     rows = kept
     for engine in args.engines:
         for mode in args.modes:
@@ -318,8 +349,12 @@ def main() -> None:
             Path(args.json).write_text(json.dumps(rows, indent=1))  # what ran so far survives a later failure
     print("\n".join(summarize(rows)))
     mb = model_bytes(model) / 1e6
-    plot(rows, Path(args.plot), f"Steady streaming load, {args.streams} x {args.max_tokens}-token completions, an update "
-                                f"every {args.interval:g} s ({mb:.0f} MB model, {device().upper()})")
+    plot(
+        rows,
+        Path(args.plot),
+        f"Steady streaming load, {args.streams} x {args.max_tokens}-token completions, an update "
+        f"every {args.interval:g} s ({mb:.0f} MB model, {device().upper()})",
+    )
     print(f"wrote {args.plot} and {args.json}")
 
 

@@ -97,19 +97,32 @@ def measure(engine: str, size: str, work: Path, updates: int) -> dict:
     finally:
         trainer.close()
     size_b = model_bytes(model)
-    return {"engine": engine, "size": size, "model_bytes": size_b, "plain": plain, "plain_start_peak": plain_start.peak,
-            "first_sync_peak": first_sync.peak, "steady": steady, "update_peak": sampler.peak,
-            "first_sync_over_model": (first_sync.peak - plain_start.peak) / size_b,
-            "steady_over_model": (steady - plain) / size_b, "update_peak_over_model": (sampler.peak - plain) / size_b}
+    return {
+        "engine": engine,
+        "size": size,
+        "model_bytes": size_b,
+        "plain": plain,
+        "plain_start_peak": plain_start.peak,
+        "first_sync_peak": first_sync.peak,
+        "steady": steady,
+        "update_peak": sampler.peak,
+        "first_sync_over_model": (first_sync.peak - plain_start.peak) / size_b,
+        "steady_over_model": (steady - plain) / size_b,
+        "update_peak_over_model": (sampler.peak - plain) / size_b,
+    }
 
 
 def summarize(rows: list[dict]) -> list[str]:
-    lines = [f"{'engine':<7} {'size':>5} {'model MB':>9} {'plain MB':>9} {'steady MB':>10} {'update peak MB':>15} "
-             f"{'added/model: first sync':>24} {'between updates':>16} {'update peak':>12}"]
+    lines = [
+        f"{'engine':<7} {'size':>5} {'model MB':>9} {'plain MB':>9} {'steady MB':>10} {'update peak MB':>15} "
+        f"{'added/model: first sync':>24} {'between updates':>16} {'update peak':>12}"
+    ]
     for r in rows:
-        lines.append(f"{r['engine']:<7} {r['size']:>5} {r['model_bytes'] / 1e6:>9.0f} {r['plain'] / 1e6:>9.0f} "
-                     f"{r['steady'] / 1e6:>10.0f} {r['update_peak'] / 1e6:>15.0f} {r['first_sync_over_model']:>24.2f} "
-                     f"{r['steady_over_model']:>16.2f} {r['update_peak_over_model']:>12.2f}")
+        lines.append(
+            f"{r['engine']:<7} {r['size']:>5} {r['model_bytes'] / 1e6:>9.0f} {r['plain'] / 1e6:>9.0f} "
+            f"{r['steady'] / 1e6:>10.0f} {r['update_peak'] / 1e6:>15.0f} {r['first_sync_over_model']:>24.2f} "
+            f"{r['steady_over_model']:>16.2f} {r['update_peak_over_model']:>12.2f}"
+        )
     return lines
 
 
@@ -122,8 +135,11 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     labels = [f"{r['engine']}\n{r['size']} ({r['model_bytes'] / 1e6:.0f} MB)" for r in rows]
     x = range(len(rows))
-    series = [("first sync (peak)", "first_sync_over_model"), ("between updates", "steady_over_model"),
-              ("during updates (peak)", "update_peak_over_model")]
+    series = [
+        ("first sync (peak)", "first_sync_over_model"),
+        ("between updates", "steady_over_model"),
+        ("during updates (peak)", "update_peak_over_model"),
+    ]
     for k, (label, key) in enumerate(series):
         bars = ax.bar([i + (k - 1) * 0.27 for i in x], [r[key] for r in rows], 0.27, label=label)
         ax.bar_label(bars, fmt="%.2f", fontsize=7)

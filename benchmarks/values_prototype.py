@@ -152,8 +152,7 @@ def _from_bits(out, moved, down, i, lut, slots, words, wp, last, x, escapes, e):
     o = np.int64(out[i])
     w, bit = i >> 6, np.uint64(i & 63)
     ctx = lut[(o >> 7) & 0xFF] + np.int64((moved[w] >> bit) & np.uint64(1))
-    return _step(out, i, _key(o), ctx, np.int64((down[w] >> bit) & np.uint64(1)), slots, words, wp, last, x,
-                 escapes, e)
+    return _step(out, i, _key(o), ctx, np.int64((down[w] >> bit) & np.uint64(1)), slots, words, wp, last, x, escapes, e)
 
 
 @_inline
@@ -179,21 +178,24 @@ def _decode(out, before, moved, down, changed, lut, states, slots, words, escape
     while j < n:  # two changes per turn, one per state: no select between the chains
         x0, wp, e = _at(out, before, moved, down, changed[j], lut, states, slots, words, wp, last, x0, escapes, e)
         if j + 1 < n:
-            x1, wp, e = _at(out, before, moved, down, changed[j + 1], lut, states, slots, words, wp, last, x1,
-                            escapes, e)
+            x1, wp, e = _at(
+                out, before, moved, down, changed[j + 1], lut, states, slots, words, wp, last, x1, escapes, e
+            )
         j += 2
     return wp
 
 
 def _bitmap(flags: np.ndarray) -> np.ndarray:
     padded = np.zeros(-(-flags.size // 64) * 64, np.uint8)
-    padded[:flags.size] = flags
+    padded[: flags.size] = flags
     return np.packbits(padded, bitorder="little").view(np.uint64)
 
 
 def _table_bytes(freqs: np.ndarray) -> int:
     """A table per used context: a bitmap of its symbols, then their frequencies as varints."""
-    return sum(SYMBOLS // 8 + sum(v2.encode_kernels._varint_len(int(f)) for f in row if f) for row in freqs if row.any())
+    return sum(
+        SYMBOLS // 8 + sum(v2.encode_kernels._varint_len(int(f)) for f in row if f) for row in freqs if row.any()
+    )
 
 
 def _plan(ctx_class: np.ndarray, state: np.ndarray, sym: np.ndarray, n_classes: int, n_states: int):
@@ -219,7 +221,7 @@ def code_values(u: np.ndarray, v: np.ndarray, w: np.ndarray, classes: list[tuple
     step, prev = (kv - ku)[changed], (ku - kw)[changed]
     lut = np.full(256, -1, np.int64)
     for c, (lo, hi) in enumerate(classes):
-        lut[lo:hi + 1] = c
+        lut[lo : hi + 1] = c
     klass = lut[(u[changed].astype(np.int64) >> 7) & 0xFF]
     assert klass.min() >= 0
     size = np.abs(step)
@@ -239,7 +241,7 @@ def code_values(u: np.ndarray, v: np.ndarray, w: np.ndarray, classes: list[tuple
     ctx = klass * n_states + smap[capped]
     out = np.empty(2 * changed.size + 16, np.uint16)
     nw = _encode(ctx, sym, freqs, out)
-    words = out[out.size - nw:].copy()
+    words = out[out.size - nw :].copy()
     nbytes = 1 + _table_bytes(freqs) + 2 * nw + (esc_bits + 7) // 8
     slots = np.zeros((freqs.shape[0], SCALE), np.uint32)
     for c, row in enumerate(freqs):
@@ -256,8 +258,18 @@ def code_values(u: np.ndarray, v: np.ndarray, w: np.ndarray, classes: list[tuple
     for _ in range(3):
         out_bits = u.copy()
         t0 = time.perf_counter()
-        _decode(out_bits, w if state == "before" else w[:0], moved, down, changed, class_lut,
-                smap.astype(np.int64), slots, words, esc.astype(np.int64))
+        _decode(
+            out_bits,
+            w if state == "before" else w[:0],
+            moved,
+            down,
+            changed,
+            class_lut,
+            smap.astype(np.int64),
+            slots,
+            words,
+            esc.astype(np.int64),
+        )
         seconds.append(time.perf_counter() - t0)
     assert np.array_equal(out_bits, v), "values prototype is not bit-exact"
     return {"bytes": nbytes, "seconds": min(seconds), "states": n_states}
@@ -307,16 +319,21 @@ def main(argv: list[str] | None = None) -> None:
     add_corpus_arguments(parser)
     args = parser.parse_args(argv)
     print(f"pairs 2-{args.steps}; bytes over all bf16 ULP tensors; ns per element, one thread")
-    print(f"{'corpus':<7} {'lr':>7} {'v2 payload':>11} {'v2 values':>10} {'v2 decode':>10}   "
-          f"then, keeping the tensor before / 2 bits per element: values, payload, values decode")
+    print(
+        f"{'corpus':<7} {'lr':>7} {'v2 payload':>11} {'v2 values':>10} {'v2 decode':>10}   "
+        f"then, keeping the tensor before / 2 bits per element: values, payload, values decode"
+    )
     for name, lr, checkpoints in corpus_runs(args.corpus, args.steps):
         r = measure(checkpoints)
-        line = (f"{name:<7} {lr:>7g} {r['v2_payload']:>11,} {r['v2_values']:>10,} "
-                f"{1e9 * r['v2_seconds'] / r['elements']:>10.2f}")
+        line = (
+            f"{name:<7} {lr:>7g} {r['v2_payload']:>11,} {r['v2_values']:>10,} "
+            f"{1e9 * r['v2_seconds'] / r['elements']:>10.2f}"
+        )
         for state in ("before", "bits"):
             ratio = (r["v2_payload"] - r["v2_values"] + r[state]) / r["v2_payload"]
             line += f"   {r[state]:>10,} {ratio:.3f}x {1e9 * r[state + '_seconds'] / r['elements']:.2f}"
         print(line)
+
 
 if __name__ == "__main__":
     main()

@@ -26,8 +26,10 @@ def cpu_flags() -> str:
     """The CPU flags that decide vLLM's CPU weight layout (AMX, AVX512-BF16)."""
     import torch
 
-    return (f"amx={'yes' if torch.cpu._is_amx_tile_supported() else 'no'} "
-            f"avx512_bf16={'yes' if torch.cpu._is_avx512_bf16_supported() else 'no'}")
+    return (
+        f"amx={'yes' if torch.cpu._is_amx_tile_supported() else 'no'} "
+        f"avx512_bf16={'yes' if torch.cpu._is_avx512_bf16_supported() else 'no'}"
+    )
 
 
 def measure(size: str, work: Path, updates: int, verify: bool) -> dict:
@@ -48,19 +50,29 @@ def measure(size: str, work: Path, updates: int, verify: bool) -> dict:
             path = status(server.url).get("swap_path")
     finally:
         trainer.close()
-    return {"size": size, "bytes": model_bytes(model), "verify": verify, "path": path,
-            "window": statistics.median(windows), "check": statistics.median(checks)}
+    return {
+        "size": size,
+        "bytes": model_bytes(model),
+        "verify": verify,
+        "path": path,
+        "window": statistics.median(windows),
+        "check": statistics.median(checks),
+    }
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = [f"vLLM, {cpu_flags()}, path {rows[0]['path'] if rows else '-'}",
-             f"{'size':>5} {'model MB':>9} {'window, verify on ms':>21} {'window, off ms':>15} "
-             f"{'check ms':>9} {'overhead':>9}"]
+    lines = [
+        f"vLLM, {cpu_flags()}, path {rows[0]['path'] if rows else '-'}",
+        f"{'size':>5} {'model MB':>9} {'window, verify on ms':>21} {'window, off ms':>15} "
+        f"{'check ms':>9} {'overhead':>9}",
+    ]
     for size in dict.fromkeys(r["size"] for r in rows):
         on = next(r for r in rows if r["size"] == size and r["verify"])
         off = next(r for r in rows if r["size"] == size and not r["verify"])
-        lines.append(f"{size:>5} {on['bytes'] / 1e6:>9.0f} {1000 * on['window']:>21.1f} {1000 * off['window']:>15.1f} "
-                     f"{1000 * on['check']:>9.1f} {on['window'] / off['window'] - 1:>9.1%}")
+        lines.append(
+            f"{size:>5} {on['bytes'] / 1e6:>9.0f} {1000 * on['window']:>21.1f} {1000 * off['window']:>15.1f} "
+            f"{1000 * on['check']:>9.1f} {on['window'] / off['window'] - 1:>9.1%}"
+        )
     return lines
 
 

@@ -103,12 +103,17 @@ def admin_access_line(token: str | None, open_loopback: bool) -> str:
     """The one line a server logs at start about who may use its POST routes."""
     if token:
         return "delta-swap: POST /delta_swap/resync and /notify need the admin token" + (
-            " (admin_open_loopback is ignored: the token is required from every caller)" if open_loopback else "")
+            " (admin_open_loopback is ignored: the token is required from every caller)" if open_loopback else ""
+        )
     if open_loopback:
-        return ("delta-swap: POST /delta_swap/resync and /notify are open to every loopback caller, including the "
-                "clients of any reverse proxy on this host (admin_open_loopback); set DELTA_SWAP_ADMIN_TOKEN instead")
-    return ("delta-swap: POST /delta_swap/resync and /notify are refused to every caller: no admin token "
-            "(set DELTA_SWAP_ADMIN_TOKEN, or DELTA_SWAP_ADMIN_OPEN_LOOPBACK=1 to let loopback callers in)")
+        return (
+            "delta-swap: POST /delta_swap/resync and /notify are open to every loopback caller, including the "
+            "clients of any reverse proxy on this host (admin_open_loopback); set DELTA_SWAP_ADMIN_TOKEN instead"
+        )
+    return (
+        "delta-swap: POST /delta_swap/resync and /notify are refused to every caller: no admin token "
+        "(set DELTA_SWAP_ADMIN_TOKEN, or DELTA_SWAP_ADMIN_OPEN_LOOPBACK=1 to let loopback callers in)"
+    )
 
 
 def _refusal(request: Request, token: str | None, open_loopback: bool = False) -> JSONResponse | None:
@@ -118,17 +123,28 @@ def _refusal(request: Request, token: str | None, open_loopback: bool = False) -
         scheme, _, credential = given.partition(" ")
         if scheme.lower() == "bearer" and hmac.compare_digest(credential.strip().encode(), token.encode()):
             return None
-        log.warning("delta-swap: refused %s %s from %s: bad or missing admin token", request.method,
-                    request.url.path, request.client and request.client.host)
-        return JSONResponse({"error": "this route needs Authorization: Bearer <admin token>"}, status_code=401,
-                            headers={"WWW-Authenticate": "Bearer"})
+        log.warning(
+            "delta-swap: refused %s %s from %s: bad or missing admin token",
+            request.method,
+            request.url.path,
+            request.client and request.client.host,
+        )
+        return JSONResponse(
+            {"error": "this route needs Authorization: Bearer <admin token>"},
+            status_code=401,
+            headers={"WWW-Authenticate": "Bearer"},
+        )
     if open_loopback and _is_loopback(request.client.host if request.client else None):
         return None
     if open_loopback:
-        return JSONResponse({"error": "without an admin token (DELTA_SWAP_ADMIN_TOKEN) this route answers loopback "
-                                      "clients only"}, status_code=403)
-    return JSONResponse({"error": "this server has no admin token (DELTA_SWAP_ADMIN_TOKEN): its POST routes are "
-                                  "closed"}, status_code=403)
+        return JSONResponse(
+            {"error": "without an admin token (DELTA_SWAP_ADMIN_TOKEN) this route answers loopback clients only"},
+            status_code=403,
+        )
+    return JSONResponse(
+        {"error": "this server has no admin token (DELTA_SWAP_ADMIN_TOKEN): its POST routes are closed"},
+        status_code=403,
+    )
 
 
 def _is_loopback(host: str | None) -> bool:

@@ -78,8 +78,11 @@ class ArenaLayout:
         return {name: (p.dtype, p.shape) for name, p in self.tensors.items()}
 
     @classmethod
-    def build(cls, slots: Sequence[tuple[str, str, tuple[int, ...]]],
-              tensors: Mapping[str, tuple[str, int, str, tuple[int, ...]]]) -> ArenaLayout:
+    def build(
+        cls,
+        slots: Sequence[tuple[str, str, tuple[int, ...]]],
+        tensors: Mapping[str, tuple[str, int, str, tuple[int, ...]]],
+    ) -> ArenaLayout:
         """Lay ``slots`` (name, dtype, shape) out back to back, aligned, and place ``tensors``
         (name -> slot, byte offset in the slot, dtype, shape) in them; validated."""
         placed, offset = [], 0
@@ -87,8 +90,10 @@ class ArenaLayout:
             slot = Slot(name, dtype, tuple(int(d) for d in shape), offset)
             placed.append(slot)
             offset = -(-(offset + slot.nbytes) // ALIGN) * ALIGN
-        layout = cls(tuple(placed), {n: Placement(s, int(o), d, tuple(int(x) for x in sh))
-                                     for n, (s, o, d, sh) in tensors.items()})
+        layout = cls(
+            tuple(placed),
+            {n: Placement(s, int(o), d, tuple(int(x) for x in sh)) for n, (s, o, d, sh) in tensors.items()},
+        )
         layout.validate()
         return layout
 
@@ -111,15 +116,21 @@ class ArenaLayout:
                     raise CorruptDataError(f"arena layout overlaps {first} and {second} in {slot_name}")
 
     def to_json(self) -> str:
-        return json.dumps({"slots": [[s.name, s.dtype, list(s.shape)] for s in self.slots],
-                           "tensors": {n: [p.slot, p.offset, p.dtype, list(p.shape)] for n, p in self.tensors.items()}})
+        return json.dumps(
+            {
+                "slots": [[s.name, s.dtype, list(s.shape)] for s in self.slots],
+                "tensors": {n: [p.slot, p.offset, p.dtype, list(p.shape)] for n, p in self.tensors.items()},
+            }
+        )
 
     @classmethod
     def from_json(cls, text: str) -> ArenaLayout:
         doc = load_json(text, "arena layout")
         try:
-            return cls.build([(n, d, tuple(s)) for n, d, s in doc["slots"]],
-                             {n: (s, o, d, tuple(sh)) for n, (s, o, d, sh) in doc["tensors"].items()})
+            return cls.build(
+                [(n, d, tuple(s)) for n, d, s in doc["slots"]],
+                {n: (s, o, d, tuple(sh)) for n, (s, o, d, sh) in doc["tensors"].items()},
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise CorruptDataError(f"malformed arena layout: {exc!r:.200}") from None
 
@@ -135,15 +146,18 @@ class Arena:
         try:
             fd = os.open(self.path, flags, 0o600)
         except OSError as exc:
-            raise EngineError(f"cannot {'create' if create else 'open'} weight arena {self.path}: {exc.strerror}") from None
+            raise EngineError(
+                f"cannot {'create' if create else 'open'} weight arena {self.path}: {exc.strerror}"
+            ) from None
         try:
             if create:
                 try:
                     os.posix_fallocate(fd, 0, size)  # fail now, not with SIGBUS later, if tmpfs is full
                 except OSError as exc:
                     os.unlink(self.path)
-                    raise EngineError(f"no room for a {size}-byte weight arena in {self.path.parent}: "
-                                      f"{exc.strerror}") from None
+                    raise EngineError(
+                        f"no room for a {size}-byte weight arena in {self.path.parent}: {exc.strerror}"
+                    ) from None
             elif os.fstat(fd).st_size < size:
                 raise CorruptDataError(f"weight arena {self.path} is smaller than its layout")
             self._map = mmap.mmap(fd, size)
@@ -154,8 +168,10 @@ class Arena:
 
     def tensors(self) -> StateDict:
         """Checkpoint name -> writable HostTensor view into the arena."""
-        return {name: HostTensor(p.dtype, p.shape, self._view(self._slot(p.slot).offset + p.offset, p.nbytes))
-                for name, p in self.layout.tensors.items()}
+        return {
+            name: HostTensor(p.dtype, p.shape, self._view(self._slot(p.slot).offset + p.offset, p.nbytes))
+            for name, p in self.layout.tensors.items()
+        }
 
     def slot_bytes(self, name: str) -> np.ndarray:
         """The raw bytes of one slot (an engine parameter)."""
@@ -170,7 +186,7 @@ class Arena:
         return self._slots[name]
 
     def _view(self, start: int, nbytes: int) -> np.ndarray:
-        return self.buffer[start:start + nbytes]
+        return self.buffer[start : start + nbytes]
 
     def close(self, *, unlink: bool = False) -> None:
         """Unmap the file (views must be gone); with ``unlink``, delete it."""
@@ -234,8 +250,7 @@ class ArenaPair:
         self.layout = layout
         room = _free_bytes(self.folder)
         if room < 2 * layout.nbytes:
-            raise EngineError(f"no room for two {layout.nbytes}-byte weight arenas in {self.folder}: "
-                              f"{room} bytes free")
+            raise EngineError(f"no room for two {layout.nbytes}-byte weight arenas in {self.folder}: {room} bytes free")
         self.arenas = [Arena(arena_path(folder, "a"), layout, create=True)]
         self._tensors = [self.arenas[0].tensors()]
         self.live: Arena | None = None  # None until the engine first switches to an arena

@@ -70,16 +70,24 @@ def warn_unauthenticated_once() -> None:
     global _warned_unauthenticated
     if not _warned_unauthenticated:
         _warned_unauthenticated = True
-        log.warning("delta-swap: snapshots are not authenticated (no trusted key): anyone who can write to the "
-                    "store can change the weights served; see docs/SECURITY.md")
+        log.warning(
+            "delta-swap: snapshots are not authenticated (no trusted key): anyone who can write to the "
+            "store can change the weights served; see docs/SECURITY.md"
+        )
 
 
 class ChainReader:
     """Reads the manifests of one store, keeping the newest ones in a bounded cache (a manifest
     is immutable once committed)."""
 
-    def __init__(self, store: Store, trusted: TrustedKeys | None = None, *, expected_tensors: int | None = None,
-                 cache_size: int = 64) -> None:
+    def __init__(
+        self,
+        store: Store,
+        trusted: TrustedKeys | None = None,
+        *,
+        expected_tensors: int | None = None,
+        cache_size: int = 64,
+    ) -> None:
         """``trusted``: accept only manifests signed by one of these keys. ``expected_tensors``:
         the tensor count of the served model, which bounds the manifest size read."""
         self.store = store
@@ -106,8 +114,9 @@ class ChainReader:
             head = decode_head(data)
             manifest = await self.manifest(head.snapshot_id)
             if manifest.step != head.step:
-                raise CorruptDataError(f"HEAD claims step {head.step} for {head.snapshot_id}, whose manifest says "
-                                       f"step {manifest.step}")
+                raise CorruptDataError(
+                    f"HEAD claims step {head.step} for {head.snapshot_id}, whose manifest says step {manifest.step}"
+                )
             self._head, self._head_etag = head, etag
         return self._head
 
@@ -212,14 +221,18 @@ class ChainReader:
                 try:
                     prev = await ahead.take(prev_id)
                 except NotFoundError:
-                    raise ChainError(f"snapshot {manifest.snapshot_id} needs {prev_id}, which is not in the "
-                                     "store") from None
+                    raise ChainError(
+                        f"snapshot {manifest.snapshot_id} needs {prev_id}, which is not in the store"
+                    ) from None
                 if prev.step >= manifest.step:
-                    raise ChainError(f"snapshot {manifest.snapshot_id} (step {manifest.step}) follows a later "
-                                     f"step {prev.step}")
+                    raise ChainError(
+                        f"snapshot {manifest.snapshot_id} (step {manifest.step}) follows a later step {prev.step}"
+                    )
                 if prev.run_id is not None and prev.run_id != manifest.run_id:
-                    raise ChainError(f"snapshot {manifest.snapshot_id} of run {manifest.run_id} follows {prev_id} "
-                                     f"of another run, {prev.run_id}")
+                    raise ChainError(
+                        f"snapshot {manifest.snapshot_id} of run {manifest.run_id} follows {prev_id} "
+                        f"of another run, {prev.run_id}"
+                    )
                 if len(path) > MAX_CHAIN_LENGTH:
                     raise ChainError("snapshot chain does not end in a base")
                 manifest = prev

@@ -29,7 +29,8 @@ from .tensors import StateDict, TensorSpecs
 SIDE_FILE_RE = re.compile(
     r"(config|generation_config|tokenizer_config|special_tokens_map|added_tokens|preprocessor_config"
     r"|processor_config|chat_template)\.json|tokenizer\.json|vocab\.(json|txt)|merges\.txt|tokenizer\.model"
-    r"|chat_template\.jinja|[A-Za-z0-9_][A-Za-z0-9_.-]*\.tiktoken")
+    r"|chat_template\.jinja|[A-Za-z0-9_][A-Za-z0-9_.-]*\.tiktoken"
+)
 INDEX_NAME = "model.safetensors.index.json"
 #: Written into every pulled folder; ``pull`` replaces only folders that carry it (or empty ones).
 PULL_MARKER = ".delta-swap-pull.json"
@@ -103,9 +104,11 @@ def write_checkpoint_dir(
             size = 0
         groups[-1].append(name)
         size += state[name].nbytes
-    names = ["model.safetensors"] if len(groups) == 1 else [
-        f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))
-    ]
+    names = (
+        ["model.safetensors"]
+        if len(groups) == 1
+        else [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    )
     written = []
     for fname, group in zip(names, groups):
         with open(root / fname, "wb") as fh:
@@ -114,14 +117,23 @@ def write_checkpoint_dir(
             progress(sum(state[n].nbytes for n in group))
         written.append(root / fname)
     if len(groups) > 1:
-        index = {"metadata": {"total_size": sum(t.nbytes for t in state.values())},
-                 "weight_map": {n: fname for fname, group in zip(names, groups) for n in group}}
+        index = {
+            "metadata": {"total_size": sum(t.nbytes for t in state.values())},
+            "weight_map": {n: fname for fname, group in zip(names, groups) for n in group},
+        }
         (root / INDEX_NAME).write_text(json.dumps(index, indent=1))
     return written
 
 
-def install_checkpoint(out: str | os.PathLike[str], state: StateDict, files: dict[str, bytes], marker: dict,
-                       *, force: bool = False, progress: Callable[[int], None] | None = None) -> Path:
+def install_checkpoint(
+    out: str | os.PathLike[str],
+    state: StateDict,
+    files: dict[str, bytes],
+    marker: dict,
+    *,
+    force: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> Path:
     """Write a checkpoint folder that replaces ``out`` in one step.
 
     ``out`` must be absent, empty, or an earlier pull (it carries :data:`PULL_MARKER`); anything

@@ -63,8 +63,10 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
     from .signing import SigningKey
 
     key_path, pub_path = generate_keypair(args.out)
-    print(f"wrote private key {key_path} (keep it on the trainer) and public key {pub_path} "
-          f"(give it to the servers); key id {SigningKey.load(key_path).key_id}")
+    print(
+        f"wrote private key {key_path} (keep it on the trainer) and public key {pub_path} "
+        f"(give it to the servers); key id {SigningKey.load(key_path).key_id}"
+    )
     return 0
 
 
@@ -73,16 +75,22 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
 
 def _cmd_publish(args: argparse.Namespace) -> int:
     state, files = read_checkpoint_dir(args.checkpoint_dir)
-    config = PublisherConfig(base_every=args.base_every, max_delta_fraction=args.max_delta_fraction,
-                             signing_key=args.signing_key, run_id=args.run_id)
+    config = PublisherConfig(
+        base_every=args.base_every,
+        max_delta_fraction=args.max_delta_fraction,
+        signing_key=args.signing_key,
+        run_id=args.run_id,
+    )
     total = sum(t.nbytes for t in state.values())
     with _progress("publish", total, not args.quiet) as update, Publisher(args.store, config, files, update) as pub:
         snapshot_id = pub.publish(args.step, state, force_base=args.base)
         pub.flush()
         signed = pub.signing_key is not None
     manifest = asyncio.run(_manifest(args.store, snapshot_id))
-    print(f"published {manifest.snapshot_id} ({manifest.kind}, step {manifest.step}{', signed' if signed else ''}): "
-          f"{manifest.payload_bytes} bytes stored for {manifest.model_bytes} model bytes; run {manifest.run_id}")
+    print(
+        f"published {manifest.snapshot_id} ({manifest.kind}, step {manifest.step}{', signed' if signed else ''}): "
+        f"{manifest.payload_bytes} bytes stored for {manifest.model_bytes} model bytes; run {manifest.run_id}"
+    )
     return 0
 
 
@@ -113,8 +121,12 @@ async def _pull(args: argparse.Namespace) -> tuple[Manifest, int]:
                 raise ChainError(f"store {store.public_url} has no snapshots")
             recover_install(args.out)  # a pull killed between its renames: its marker counts below
             if not args.allow_older:
-                refuse_going_back(await reader.manifest(target), _earlier_pull(args.out),
-                                  f"the pull in {args.out}", "pass --allow-older to replace it anyway")
+                refuse_going_back(
+                    await reader.manifest(target),
+                    _earlier_pull(args.out),
+                    f"the pull in {args.out}",
+                    "pass --allow-older to replace it anyway",
+                )
             try:
                 path = await reader.path_to(target)
                 state = await _rebuild_path(reader, path, update, args.max_model_bytes)
@@ -128,11 +140,17 @@ async def _pull(args: argparse.Namespace) -> tuple[Manifest, int]:
                 raise await _name_the_newest_good(reader, target, _Unbuildable(exc), args.max_model_bytes) from None
         manifest = path[-1]
         files = await _side_files(reader, path)
-        marker = {"snapshot_id": manifest.snapshot_id, "step": manifest.step, "run_id": manifest.run_id,
-                  "store": store.public_url, "pulled_at": time.time()}
+        marker = {
+            "snapshot_id": manifest.snapshot_id,
+            "step": manifest.step,
+            "run_id": manifest.run_id,
+            "store": store.public_url,
+            "pulled_at": time.time(),
+        }
         with _progress("write", manifest.model_bytes, not args.quiet) as update:
-            await asyncio.to_thread(install_checkpoint, args.out, state, files, marker, force=args.force,
-                                    progress=update)
+            await asyncio.to_thread(
+                install_checkpoint, args.out, state, files, marker, force=args.force, progress=update
+            )
         return manifest, manifest.model_bytes
     finally:
         await store.close()
@@ -156,14 +174,17 @@ class _Unbuildable(Exception):
         self.error, self.failed, self.good = error, failed, good
 
 
-async def _rebuild_path(reader: ChainReader, path: list[Manifest], progress: Callable[[int], None] | None,
-                        max_model_bytes: int | None) -> StateDict:
+async def _rebuild_path(
+    reader: ChainReader, path: list[Manifest], progress: Callable[[int], None] | None, max_model_bytes: int | None
+) -> StateDict:
     """Replay ``path`` (from a base) one snapshot at a time; raises :class:`_Unbuildable` naming
     the snapshot that failed and the last one that rebuilt."""
     for manifest in path:
         if max_model_bytes is not None and manifest.model_bytes > max_model_bytes:
-            raise IncompatibleSnapshotError(f"snapshot {manifest.snapshot_id} holds {manifest.model_bytes} bytes of "
-                                            f"tensors, more than the {max_model_bytes} allowed")
+            raise IncompatibleSnapshotError(
+                f"snapshot {manifest.snapshot_id} holds {manifest.model_bytes} bytes of "
+                f"tensors, more than the {max_model_bytes} allowed"
+            )
     state: StateDict | None = None
     for i, manifest in enumerate(path):
         try:
@@ -179,8 +200,9 @@ async def _rebuild_path(reader: ChainReader, path: list[Manifest], progress: Cal
 SEARCH_BYTES_FACTOR = 2
 
 
-async def _name_the_newest_good(reader: ChainReader, target: str, failed: _Unbuildable, max_model_bytes: int | None,
-                                tries: int = 20) -> DeltaSwapError:
+async def _name_the_newest_good(
+    reader: ChainReader, target: str, failed: _Unbuildable, max_model_bytes: int | None, tries: int = 20
+) -> DeltaSwapError:
     """The error to report when ``target`` cannot be rebuilt: it names the newest snapshot that can.
 
     Candidates are the store's snapshots older than the target (newest first; those a listing
@@ -224,8 +246,9 @@ async def _name_the_newest_good(reader: ChainReader, target: str, failed: _Unbui
         break
     if found is None:
         return type(exc)(f"{exc}; no older snapshot rebuilds either")
-    return type(exc)(f"{exc}; the newest snapshot that rebuilds is {found.snapshot_id}: "
-                     f"pull it with --snapshot {found.snapshot_id}")
+    return type(exc)(
+        f"{exc}; the newest snapshot that rebuilds is {found.snapshot_id}: pull it with --snapshot {found.snapshot_id}"
+    )
 
 
 async def _candidates(reader: ChainReader, below: int | None) -> list[Manifest]:
@@ -257,8 +280,9 @@ async def _check_shard_sizes(store: Store, path: list[Manifest]) -> None:
             if size is None:
                 raise NotFoundError(f"shard {shard.name} of {manifest.snapshot_id} is missing")
             if size >= 0 and size != shard.size:
-                raise CorruptDataError(f"shard {shard.name} of {manifest.snapshot_id} has {size} bytes, "
-                                       f"expected {shard.size}")
+                raise CorruptDataError(
+                    f"shard {shard.name} of {manifest.snapshot_id} has {size} bytes, expected {shard.size}"
+                )
 
 
 async def _side_files(reader: ChainReader, path: list[Manifest]) -> dict[str, bytes]:
@@ -270,12 +294,17 @@ async def _side_files(reader: ChainReader, path: list[Manifest]) -> dict[str, by
             files = {}
             for entry in manifest.files:
                 if not is_side_file(entry.name):
-                    log.warning("delta-swap: skipping %s of %s: not a checkpoint side file", entry.name,
-                                manifest.snapshot_id)
+                    log.warning(
+                        "delta-swap: skipping %s of %s: not a checkpoint side file", entry.name, manifest.snapshot_id
+                    )
                     continue
                 data = await store.get(store_keys.file_key(manifest.snapshot_id, entry.name), max_bytes=entry.size)
-                verify_blob(data, entry.checksum, entry.sha256 if reader.trusted else None,
-                            f"file {entry.name} of {manifest.snapshot_id}")
+                verify_blob(
+                    data,
+                    entry.checksum,
+                    entry.sha256 if reader.trusted else None,
+                    f"file {entry.name} of {manifest.snapshot_id}",
+                )
                 files[entry.name] = data
             return files
     return {}
@@ -287,23 +316,37 @@ async def _side_files(reader: ChainReader, path: list[Manifest]) -> dict[str, by
 def _cmd_inspect(args: argparse.Namespace) -> int:
     manifests = asyncio.run(_list(args))
     rows: list[dict[str, Any]] = [
-        {"snapshot_id": m.snapshot_id, "kind": m.kind.value, "prev_snapshot_id": m.prev_snapshot_id,
-         "base_snapshot_id": m.base_snapshot_id, "run_id": m.run_id, "step": m.step, "payload_bytes": m.payload_bytes,
-         "model_bytes": m.model_bytes, "tensors": len(m.tensors), "created_at": m.created_at}
+        {
+            "snapshot_id": m.snapshot_id,
+            "kind": m.kind.value,
+            "prev_snapshot_id": m.prev_snapshot_id,
+            "base_snapshot_id": m.base_snapshot_id,
+            "run_id": m.run_id,
+            "step": m.step,
+            "payload_bytes": m.payload_bytes,
+            "model_bytes": m.model_bytes,
+            "tensors": len(m.tensors),
+            "created_at": m.created_at,
+        }
         for m in manifests
     ]
     runs = sorted({str(r["run_id"]) for r in rows})
     if len(runs) > 1:
-        log.warning("delta-swap: the store holds snapshots of %d runs (%s): a server or pull follows one of them",
-                    len(runs), ", ".join(runs))
+        log.warning(
+            "delta-swap: the store holds snapshots of %d runs (%s): a server or pull follows one of them",
+            len(runs),
+            ", ".join(runs),
+        )
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
     print(f"{'snapshot_id':<18} {'kind':<5} {'step':>8} {'prev':<18} {'run':<20} {'payload':>12} {'% model':>8}")
     for r in rows:
         pct = 100.0 * r["payload_bytes"] / max(1, r["model_bytes"])
-        print(f"{r['snapshot_id']:<18} {r['kind']:<5} {r['step']:>8} {r['prev_snapshot_id'] or '-':<18} "
-              f"{r['run_id'] or '-':<20} {r['payload_bytes']:>12} {pct:>7.2f}%")
+        print(
+            f"{r['snapshot_id']:<18} {r['kind']:<5} {r['step']:>8} {r['prev_snapshot_id'] or '-':<18} "
+            f"{r['run_id'] or '-':<20} {r['payload_bytes']:>12} {pct:>7.2f}%"
+        )
     return 0
 
 
@@ -324,8 +367,10 @@ async def _list(args: argparse.Namespace) -> list[Manifest]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="delta-swap", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    trusted_help = ("accept only snapshots signed by this public key (KEY.pub; comma-separated for several). "
-                    "Env: DELTA_SWAP_TRUSTED_KEY")
+    trusted_help = (
+        "accept only snapshots signed by this public key (KEY.pub; comma-separated for several). "
+        "Env: DELTA_SWAP_TRUSTED_KEY"
+    )
 
     p = sub.add_parser("keygen", help="create an Ed25519 key pair for signing snapshots")
     p.add_argument("--out", required=True, help="private key file to write (mode 0600); the public key goes to OUT.pub")
@@ -337,11 +382,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", required=True, type=int, help="training step of this checkpoint")
     p.add_argument("--base-every", type=int, default=25, help="publish a full base every N steps (default 25)")
     p.add_argument("--base", action="store_true", help="force a full base snapshot (also on a damaged chain)")
-    p.add_argument("--max-delta-fraction", type=float, default=0.5,
-                   help="publish a base instead when a delta exceeds this fraction of the model (default 0.5)")
+    p.add_argument(
+        "--max-delta-fraction",
+        type=float,
+        default=0.5,
+        help="publish a base instead when a delta exceeds this fraction of the model (default 0.5)",
+    )
     p.add_argument("--signing-key", help="sign the snapshot with this private key. Env: DELTA_SWAP_SIGNING_KEY")
-    p.add_argument("--run-id", help="the run to publish (default: the run of the store's newest snapshot that "
-                                    "verifies, or a new one); snapshots of other runs are ignored")
+    p.add_argument(
+        "--run-id",
+        help="the run to publish (default: the run of the store's newest snapshot that "
+        "verifies, or a new one); snapshots of other runs are ignored",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_publish)
 
@@ -352,8 +404,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trusted-key", help=trusted_help)
     p.add_argument("--max-model-bytes", type=int, help="refuse snapshots whose tensors add up to more bytes")
     p.add_argument("--force", action="store_true", help="replace --out even if it is not an earlier pull")
-    p.add_argument("--allow-older", action="store_true",
-                   help="replace an earlier pull in --out with an older step or a snapshot of another run")
+    p.add_argument(
+        "--allow-older",
+        action="store_true",
+        help="replace an earlier pull in --out with an older step or a snapshot of another run",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_pull)
 
@@ -394,8 +449,10 @@ def _wait_for_codec_warm_up(quiet: bool) -> None:
     for thread in threading.enumerate():
         if thread.name == WARM_UP_THREAD and thread.is_alive():
             if not quiet:
-                print("delta-swap: waiting for the codec's compile to finish (once per machine; cached after)",
-                      file=sys.stderr)
+                print(
+                    "delta-swap: waiting for the codec's compile to finish (once per machine; cached after)",
+                    file=sys.stderr,
+                )
             thread.join()
 
 

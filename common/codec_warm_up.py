@@ -23,9 +23,14 @@ _threads: dict[bool, threading.Thread] = {}
 def _run(encoder: bool) -> None:
     try:
         code = f"import os; os.nice(10); from delta_swap import codec; codec.warm_up({encoder})"
-        subprocess.run([sys.executable, "-c", code],
-                       stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                       timeout=900, check=False)
+        subprocess.run(
+            [sys.executable, "-c", code],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=900,
+            check=False,
+        )
     except (OSError, subprocess.SubprocessError):  # then this process compiles, as it would anyway
         pass
     try:

@@ -69,8 +69,10 @@ class Part:
         """Parse a stored part (it is validated again as part of the merged manifest)."""
         doc = load_json(data, "part record")
         try:
-            doc["tensors"] = [TensorEntry(**{**t, "shape": tuple(t["shape"]), "encoding": Encoding(t["encoding"])})
-                              for t in doc["tensors"]]
+            doc["tensors"] = [
+                TensorEntry(**{**t, "shape": tuple(t["shape"]), "encoding": Encoding(t["encoding"])})
+                for t in doc["tensors"]
+            ]
             doc["shards"] = [BlobEntry(**b) for b in doc["shards"]]
             doc["files"] = [BlobEntry(**b) for b in doc["files"]]
             return cls(**doc)
@@ -82,12 +84,20 @@ async def write_part(store: Store, part: Part, signing_key: SigningKey | None = 
     """Store one rank's part for the committing rank: its signature first, then the record."""
     data = part.to_json()
     if signing_key is not None:
-        await store.put(store_keys.part_signature_key(part.snapshot_id, part.rank), signing_key.sign(data, PART_CONTEXT))
+        await store.put(
+            store_keys.part_signature_key(part.snapshot_id, part.rank), signing_key.sign(data, PART_CONTEXT)
+        )
     await store.put(store_keys.part_key(part.snapshot_id, part.rank), data)
 
 
-async def try_commit(store: Store, snapshot_id: str, world_size: int, signing_key: SigningKey | None = None,
-                     max_step_jump: int = 1_000_000, trusted: TrustedKeys | None = None) -> Manifest | None:
+async def try_commit(
+    store: Store,
+    snapshot_id: str,
+    world_size: int,
+    signing_key: SigningKey | None = None,
+    max_step_jump: int = 1_000_000,
+    trusted: TrustedKeys | None = None,
+) -> Manifest | None:
     """Commit ``snapshot_id`` if every rank's part is present and verifies; returns the manifest
     or None. With ``trusted`` (default: the signing key's own), a part needs a signature by one
     of those keys; a part that is not signed, not verifiable or not this snapshot's and rank's is
@@ -122,15 +132,22 @@ async def _read_part(store: Store, snapshot_id: str, rank: int, world_size: int,
     return part
 
 
-async def commit(store: Store, parts: list[Part], signing_key: SigningKey | None = None,
-                 max_step_jump: int = 1_000_000, trusted: TrustedKeys | None = None) -> Manifest:
+async def commit(
+    store: Store,
+    parts: list[Part],
+    signing_key: SigningKey | None = None,
+    max_step_jump: int = 1_000_000,
+    trusted: TrustedKeys | None = None,
+) -> Manifest:
     """Merge ``parts`` into a manifest, write its signature (with ``signing_key``) and then the
     manifest after the shards, then move the head forward. ``trusted`` (default: the signing
     key's own) is what the predecessor and HEAD must be signed by to count."""
     trusted = trusted or (signing_key.trusted() if signing_key else None)
     parts = sorted(parts, key=lambda p: p.rank)
     first = parts[0]
-    if {p.snapshot_id for p in parts} != {first.snapshot_id} or {p.prev_snapshot_id for p in parts} != {first.prev_snapshot_id}:
+    if {p.snapshot_id for p in parts} != {first.snapshot_id} or {p.prev_snapshot_id for p in parts} != {
+        first.prev_snapshot_id
+    }:
         raise ChainError(f"ranks disagree about snapshot {first.snapshot_id} or its predecessor")
     if sorted(p.rank for p in parts) != list(range(first.world_size)):
         raise ChainError(f"snapshot {first.snapshot_id} has parts from ranks {sorted(p.rank for p in parts)}")
@@ -166,8 +183,9 @@ async def commit(store: Store, parts: list[Part], signing_key: SigningKey | None
     return manifest
 
 
-async def move_head(store: Store, manifest: Manifest, max_step_jump: int = 1_000_000,
-                    trusted: TrustedKeys | None = None) -> bool:
+async def move_head(
+    store: Store, manifest: Manifest, max_step_jump: int = 1_000_000, trusted: TrustedKeys | None = None
+) -> bool:
     """Point HEAD at ``manifest`` unless it already names a later step of the same run; True if
     it moved.
 
@@ -208,8 +226,15 @@ async def _announces_later(reader: ChainReader, data: bytes, manifest: Manifest,
     return same_run and named.step == head.step and manifest.step <= head.step <= manifest.step + max_step_jump
 
 
-async def _predecessor(store: Store, reader: ChainReader, prev_id: str | None, part: Part,
-                       signing_key: SigningKey | None, max_step_jump: int, trusted: TrustedKeys | None) -> Manifest:
+async def _predecessor(
+    store: Store,
+    reader: ChainReader,
+    prev_id: str | None,
+    part: Part,
+    signing_key: SigningKey | None,
+    max_step_jump: int,
+    trusted: TrustedKeys | None,
+) -> Manifest:
     """The snapshot a delta continues, committing it first if needed (a manifest that does not
     verify, with ``trusted``, is not committed: it is replaced)."""
     assert prev_id is not None

@@ -8,25 +8,56 @@ from .errors import ConfigError, CorruptDataError
 
 #: Bytes per element of every dtype the format knows.
 DTYPE_SIZES: dict[str, int] = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
-    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-    "I32": 4, "U32": 4, "F32": 4,
-    "I64": 8, "U64": 8, "F64": 8,
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
 }
 
 #: Sign-magnitude float formats: the codec diffs them as ordered integers (ULP distance).
 ORDERED_FLOAT_DTYPES = frozenset({"BF16", "F16", "F32", "F8_E4M3", "F8_E5M2"})
 
 _TORCH_NAMES = {
-    "bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
-    "int8": "I8", "uint8": "U8", "int16": "I16", "uint16": "U16", "int32": "I32",
-    "uint32": "U32", "int64": "I64", "uint64": "U64", "bool": "BOOL",
+    "bfloat16": "BF16",
+    "float16": "F16",
+    "float32": "F32",
+    "float64": "F64",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "int8": "I8",
+    "uint8": "U8",
+    "int16": "I16",
+    "uint16": "U16",
+    "int32": "I32",
+    "uint32": "U32",
+    "int64": "I64",
+    "uint64": "U64",
+    "bool": "BOOL",
 }
 _NUMPY_NAMES = {
-    "float16": "F16", "float32": "F32", "float64": "F64", "int8": "I8", "uint8": "U8",
-    "int16": "I16", "uint16": "U16", "int32": "I32", "uint32": "U32", "int64": "I64",
-    "uint64": "U64", "bool": "BOOL",
+    "float16": "F16",
+    "float32": "F32",
+    "float64": "F64",
+    "int8": "I8",
+    "uint8": "U8",
+    "int16": "I16",
+    "uint16": "U16",
+    "int32": "I32",
+    "uint32": "U32",
+    "int64": "I64",
+    "uint64": "U64",
+    "bool": "BOOL",
 }
 
 

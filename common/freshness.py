@@ -60,11 +60,14 @@ def refuse_going_back(target: Manifest, seen: Seen | None, who: str, override: s
     if seen is None:
         return
     if seen.run_id is not None and target.run_id != seen.run_id:
-        raise RollbackError(f"{target.snapshot_id} belongs to run {target.run_id}, but {who} follows run {seen.run_id} "
-                         f"(last verified {seen.snapshot_id}); {override}")
+        raise RollbackError(
+            f"{target.snapshot_id} belongs to run {target.run_id}, but {who} follows run {seen.run_id} "
+            f"(last verified {seen.snapshot_id}); {override}"
+        )
     if target.step < seen.step:
-        raise RollbackError(f"{target.snapshot_id} would move {who} from step {seen.step} back to {target.step}; "
-                         f"{override}")
+        raise RollbackError(
+            f"{target.snapshot_id} would move {who} from step {seen.step} back to {target.step}; {override}"
+        )
 
 
 def record_path(staging_dir: str, store_url: str) -> Path:

@@ -68,13 +68,19 @@ class Heartbeat:
         if trusted is not None:
             if doc.get("signature") is None:
                 raise SignatureError("the heartbeat is not signed")
-            trusted.verify_object(doc["body"].encode(), json.dumps(doc["signature"]), "the heartbeat", "heartbeat",
-                                  HEARTBEAT_CONTEXT)
+            trusted.verify_object(
+                doc["body"].encode(), json.dumps(doc["signature"]), "the heartbeat", "heartbeat", HEARTBEAT_CONTEXT
+            )
         body = load_json(doc["body"], "heartbeat body")
         try:
-            beat = cls(run_id=check_run_id(body["run_id"]), step=body["step"],
-                       snapshot_id=check_snapshot_id(body["snapshot_id"]), published_at=_time(body["published_at"]),
-                       at=_time(body["at"]), expires_at=_time(body["expires_at"]))
+            beat = cls(
+                run_id=check_run_id(body["run_id"]),
+                step=body["step"],
+                snapshot_id=check_snapshot_id(body["snapshot_id"]),
+                published_at=_time(body["published_at"]),
+                at=_time(body["at"]),
+                expires_at=_time(body["expires_at"]),
+            )
         except (KeyError, TypeError) as exc:
             raise CorruptDataError(f"malformed heartbeat: {exc!r:.120}") from None
         if not isinstance(beat.step, int) or isinstance(beat.step, bool) or not 0 <= beat.step <= 1 << 62:
@@ -107,8 +113,9 @@ class HeartbeatReader:
         """The heartbeat in the store (None if there is none); CorruptDataError or SignatureError
         for one that is malformed or not signed by a trusted key."""
         try:
-            changed = await self.store.get_if_changed(store_keys.HEARTBEAT_KEY, self._etag,
-                                                      max_bytes=MAX_HEARTBEAT_BYTES)
+            changed = await self.store.get_if_changed(
+                store_keys.HEARTBEAT_KEY, self._etag, max_bytes=MAX_HEARTBEAT_BYTES
+            )
         except NotFoundError:
             self._etag = self._last = None
             return None

@@ -41,10 +41,10 @@ class SnapshotKind(str, Enum):
 class Encoding(str, Enum):
     """How one tensor of a snapshot is stored."""
 
-    RAW = "raw"      # plain bytes in a safetensors shard
-    FULL = "full"    # a codec payload of the tensor on its own
+    RAW = "raw"  # plain bytes in a safetensors shard
+    FULL = "full"  # a codec payload of the tensor on its own
     DELTA = "delta"  # a codec payload against the same tensor in the previous snapshot
-    SAME = "same"    # unchanged since the previous snapshot: no bytes
+    SAME = "same"  # unchanged since the previous snapshot: no bytes
 
     def __str__(self) -> str:
         return self.value
@@ -203,8 +203,9 @@ def _parse_manifest(doc: Any) -> Manifest:
         raise CorruptDataError("not a delta-swap manifest")
     version = doc.get("format_version")
     if type(version) is not int or version not in READABLE_FORMAT_VERSIONS:
-        raise FormatVersionError(f"unsupported format version {version!r} (this build reads "
-                                 f"{', '.join(map(str, READABLE_FORMAT_VERSIONS))})")
+        raise FormatVersionError(
+            f"unsupported format version {version!r} (this build reads {', '.join(map(str, READABLE_FORMAT_VERSIONS))})"
+        )
     try:
         kind = _enum(SnapshotKind, doc["kind"], "snapshot kind")
         prev = doc["prev_snapshot_id"]
@@ -306,7 +307,8 @@ def _parse_blob(doc: Any, what: str) -> BlobEntry:
     name = check_relative_name(doc["name"], what)
     sha256 = doc.get("sha256")
     return BlobEntry(
-        name=name, size=_int(doc["size"], f"{what} size"),
+        name=name,
+        size=_int(doc["size"], f"{what} size"),
         checksum=_checksum(doc["checksum"], _CHECKSUM_RE, f"checksum of {what} {name}"),
         sha256=None if sha256 is None else _checksum(sha256, _SHA256_RE, f"sha256 of {what} {name}"),
     )

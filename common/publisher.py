@@ -173,7 +173,12 @@ class Publisher:
     # ------------------------------------------------------------------ caller side
 
     def publish(
-        self, step: int, tensors: Mapping[str, Any] | Any, *, force_base: bool = False, metadata: Mapping[str, str] | None = None
+        self,
+        step: int,
+        tensors: Mapping[str, Any] | Any,
+        *,
+        force_base: bool = False,
+        metadata: Mapping[str, str] | None = None,
     ) -> str:
         """Queue ``tensors`` (torch tensors or numpy arrays, serving dtype, HF names) as ``step``.
 
@@ -327,8 +332,9 @@ class Publisher:
             manifest, state, _ = await rebuild(store, head.snapshot_id, reader=reader, max_model_bytes=limit)
             self._last_base_step = (await reader.manifest(manifest.base_snapshot_id)).step
         except (CorruptDataError, ChainError, NotFoundError, IncompatibleSnapshotError) as exc:
-            log.warning("delta-swap: the store's head %s cannot be rebuilt (%s); publishing a new base",
-                        head.snapshot_id, exc)
+            log.warning(
+                "delta-swap: the store's head %s cannot be rebuilt (%s); publishing a new base", head.snapshot_id, exc
+            )
             return
         self._prev_state = {name: state[name] for name in job.state if name in state}
         self._prev_id = manifest.snapshot_id
@@ -352,9 +358,13 @@ class Publisher:
         except (CorruptDataError, NotFoundError) as exc:
             why = str(exc)
         found = await self._newest_own(reader, job)
-        log.warning("delta-swap: ignoring the store's HEAD and what it names (%s); %s", why,
-                    f"run {found.run_id} continues after {found.snapshot_id} with a new base" if found
-                    else "publishing a new base")
+        log.warning(
+            "delta-swap: ignoring the store's HEAD and what it names (%s); %s",
+            why,
+            f"run {found.run_id} continues after {found.snapshot_id} with a new base"
+            if found
+            else "publishing a new base",
+        )
         return found, False
 
     async def _newest_own(self, reader: ChainReader, job: _Job) -> Manifest | None:
@@ -431,8 +441,19 @@ class Publisher:
                 return None
         data = buf.getvalue() if buf.tell() > len(DELTA_SHARD_MAGIC) else b""
         shards = [BlobEntry(shard, len(data), checksum(data), sha256(data))] if data else []
-        part = Part(snapshot_id, job.step, cfg.rank, cfg.world_size, False, self._prev_id, entries, shards, [],
-                    job.metadata, self.run_id)
+        part = Part(
+            snapshot_id,
+            job.step,
+            cfg.rank,
+            cfg.world_size,
+            False,
+            self._prev_id,
+            entries,
+            shards,
+            [],
+            job.metadata,
+            self.run_id,
+        )
         return part, data
 
     async def _full_part(self, store: Store, job: _Job, snapshot_id: str) -> Part:
@@ -453,8 +474,19 @@ class Publisher:
             for name, content in sorted(self.files.items()):
                 await store.put(store_keys.file_key(snapshot_id, name), content)
                 files.append(BlobEntry(name, len(content), checksum(content), sha256(content)))
-        return Part(snapshot_id, job.step, cfg.rank, cfg.world_size, True, self._prev_id, entries, [shard_entry], files,
-                    job.metadata, self.run_id)
+        return Part(
+            snapshot_id,
+            job.step,
+            cfg.rank,
+            cfg.world_size,
+            True,
+            self._prev_id,
+            entries,
+            [shard_entry],
+            files,
+            job.metadata,
+            self.run_id,
+        )
 
 
 def _layout_of(state: StateDict) -> dict[str, tuple[str, tuple[int, ...]]]:

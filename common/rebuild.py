@@ -42,8 +42,9 @@ class Meter:
             self.progress(nbytes)
 
 
-async def fetch_shards(store: Store, manifest: Manifest, *, concurrency: int = 4, meter: Meter | None = None,
-                       authenticated: bool = False) -> dict[str, np.ndarray]:
+async def fetch_shards(
+    store: Store, manifest: Manifest, *, concurrency: int = 4, meter: Meter | None = None, authenticated: bool = False
+) -> dict[str, np.ndarray]:
     """Download a snapshot's shards concurrently (never more bytes than the manifest lists) and
     verify each one's size and checksum, and its SHA-256 when ``authenticated`` (the manifest's
     signature was verified), then a delta shard's magic."""
@@ -119,14 +120,17 @@ def check_applicable(prev: StateDict | None, manifest: Manifest, out: StateDict 
         raise ChainError(f"delta {manifest.snapshot_id} needs the state of {manifest.prev_snapshot_id}")
     for t in manifest.tensors:
         old = prev.get(t.name) if prev is not None else None
-        if t.encoding in (Encoding.SAME, Encoding.DELTA) and (old is None or (old.dtype, old.shape) != (t.dtype, t.shape)):
+        if t.encoding in (Encoding.SAME, Encoding.DELTA) and (
+            old is None or (old.dtype, old.shape) != (t.dtype, t.shape)
+        ):
             raise ChainError(f"{manifest.snapshot_id}: tensor {t.name} has no matching previous tensor")
         if out is not None and (t.name not in out or (out[t.name].dtype, out[t.name].shape) != (t.dtype, t.shape)):
             raise ChainError(f"{manifest.snapshot_id}: tensor {t.name} has no place to be written")
 
 
-def rebuild_tensor(manifest: Manifest, t: TensorEntry, payload: np.ndarray | None, prev: StateDict | None,
-                   out: StateDict | None) -> HostTensor:
+def rebuild_tensor(
+    manifest: Manifest, t: TensorEntry, payload: np.ndarray | None, prev: StateDict | None, out: StateDict | None
+) -> HostTensor:
     """Tensor ``t`` of ``manifest`` from its ``payload`` (None for an unchanged one) and its previous
     value; written into ``out[t.name]`` when ``out`` is given (see :func:`apply_snapshot`)."""
     old = prev.get(t.name) if prev is not None else None
@@ -213,16 +217,18 @@ async def stream_snapshot(
             if t.shard is None:
                 rebuilt[t.name] = rebuild_tensor(manifest, t, None, prev, out)
         t1 = time.perf_counter()
-        await asyncio.to_thread(lambda: list(pool.map(lambda t: verify_tensor(manifest, t, rebuilt[t.name]),
-                                                      manifest.tensors)))
+        await asyncio.to_thread(
+            lambda: list(pool.map(lambda t: verify_tensor(manifest, t, rebuilt[t.name]), manifest.tensors))
+        )
         t2 = time.perf_counter()
     meter.add("decode", t1 - t0)
     meter.add("verify", t2 - t1)
     return {t.name: rebuilt[t.name] for t in manifest.tensors}
 
 
-async def _stream_shard(store: Store, manifest: Manifest, shard: BlobEntry, writer: _ShardWriter, piece_bytes: int,
-                        meter: Meter) -> None:
+async def _stream_shard(
+    store: Store, manifest: Manifest, shard: BlobEntry, writer: _ShardWriter, piece_bytes: int, meter: Meter
+) -> None:
     key = store_keys.shard_key(manifest.snapshot_id, shard.name)
     what = f"shard {shard.name} of {manifest.snapshot_id}"
     size = await store.size(key)
@@ -315,8 +321,17 @@ class _ShardWriter:
     piece, encoded ones spooled; :meth:`finish` checks the shard's digests and only then decodes
     the encoded tensors (on ``pool``)."""
 
-    def __init__(self, manifest: Manifest, shard: BlobEntry, tensors: list[TensorEntry], prev: StateDict | None,
-                 out: StateDict, pool: ThreadPoolExecutor, authenticated: bool, rebuilt: dict[str, HostTensor]) -> None:
+    def __init__(
+        self,
+        manifest: Manifest,
+        shard: BlobEntry,
+        tensors: list[TensorEntry],
+        prev: StateDict | None,
+        out: StateDict,
+        pool: ThreadPoolExecutor,
+        authenticated: bool,
+        rebuilt: dict[str, HostTensor],
+    ) -> None:
         self.manifest, self.shard, self.tensors, self.prev, self.out = manifest, shard, tensors, prev, out
         self.pool, self.rebuilt = pool, rebuilt
         self.authenticated = authenticated
@@ -345,16 +360,16 @@ class _ShardWriter:
                 break
             lo, hi = max(t.offset, start), min(t.offset + t.length, end)
             if lo < hi and t.encoding is Encoding.RAW:
-                self.out[t.name].data[lo - t.offset:hi - t.offset] = view[lo - start:hi - start]
+                self.out[t.name].data[lo - t.offset : hi - t.offset] = view[lo - start : hi - start]
             elif lo < hi:
                 self.spooled.setdefault(t.name, self.spool.size)
-                self.spool.write(view[lo - start:hi - start])
+                self.spool.write(view[lo - start : hi - start])
             if t.offset + t.length <= end and i == self.next:
                 self.next += 1
             i += 1
 
     def finish(self, what: str) -> None:
-        for t in self.tensors[self.next:]:
+        for t in self.tensors[self.next :]:
             if t.offset + t.length > self.shard.size:
                 raise CorruptDataError(f"{what} ends before tensor {t.name}")
         self.digest.verify(self.shard.checksum, self.shard.sha256 if self.authenticated else None, what)
@@ -367,9 +382,11 @@ class _ShardWriter:
                 self.rebuilt[t.name] = self.out[t.name]
             else:
                 at = self.spooled.get(t.name, 0)
-                encoded.append((t, payloads[at:at + t.length]))
-        for (t, _), tensor in zip(encoded, self.pool.map(
-                lambda item: rebuild_tensor(self.manifest, item[0], item[1], self.prev, self.out), encoded)):
+                encoded.append((t, payloads[at : at + t.length]))
+        for (t, _), tensor in zip(
+            encoded,
+            self.pool.map(lambda item: rebuild_tensor(self.manifest, item[0], item[1], self.prev, self.out), encoded),
+        ):
             self.rebuilt[t.name] = tensor
 
 
@@ -409,17 +426,19 @@ async def replay(
     meter = meter or Meter()
     for manifest in path:
         if max_model_bytes is not None and manifest.model_bytes > max_model_bytes:
-            raise IncompatibleSnapshotError(f"snapshot {manifest.snapshot_id} holds {manifest.model_bytes} bytes of "
-                                            f"tensors, more than the {max_model_bytes} allowed")
+            raise IncompatibleSnapshotError(
+                f"snapshot {manifest.snapshot_id} holds {manifest.model_bytes} bytes of "
+                f"tensors, more than the {max_model_bytes} allowed"
+            )
     authenticated = reader.trusted is not None
     for manifest in path:
         t0 = time.perf_counter()
         if out is not None and any(shard.size > STREAM_PIECE_BYTES for shard in manifest.shards):
-            state = await stream_snapshot(reader.store, manifest, state, out, authenticated=authenticated,
-                                          meter=meter)
+            state = await stream_snapshot(reader.store, manifest, state, out, authenticated=authenticated, meter=meter)
             continue
-        shards = await fetch_shards(reader.store, manifest, concurrency=concurrency, meter=meter,
-                                    authenticated=authenticated)
+        shards = await fetch_shards(
+            reader.store, manifest, concurrency=concurrency, meter=meter, authenticated=authenticated
+        )
         meter.add("fetch", time.perf_counter() - t0)
         state = await asyncio.to_thread(apply_snapshot, state, manifest, shards, meter, out=out)
     if state is None:

@@ -30,8 +30,12 @@ class RetryPolicy:
         return random.uniform(0, min(self.max_delay_s, self.base_delay_s * 2 ** (attempt - 1)))
 
 
-async def retry(op: Callable[[], Awaitable[T]], policy: RetryPolicy, what: str,
-                on_retry: Callable[[BaseException], None] | None = None) -> T:
+async def retry(
+    op: Callable[[], Awaitable[T]],
+    policy: RetryPolicy,
+    what: str,
+    on_retry: Callable[[BaseException], None] | None = None,
+) -> T:
     """Run ``op`` until it succeeds, raising the last error after ``policy.attempts`` tries.
 
     Only :class:`TransientError` and timeouts are retried; anything else propagates at once.

@@ -23,7 +23,9 @@ _ALIGN = 8
 MAX_HEADER_BYTES = 100 << 20
 
 
-def build_header(tensors: Iterable[tuple[str, HostTensor]], metadata: dict[str, str] | None = None) -> tuple[bytes, dict[str, tuple[int, int]]]:
+def build_header(
+    tensors: Iterable[tuple[str, HostTensor]], metadata: dict[str, str] | None = None
+) -> tuple[bytes, dict[str, tuple[int, int]]]:
     """The encoded header and each tensor's absolute (offset, length) in the file."""
     items = list(tensors)
     doc: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
@@ -41,7 +43,9 @@ def build_header(tensors: Iterable[tuple[str, HostTensor]], metadata: dict[str, 
     return struct.pack("<Q", len(header)) + header, locations
 
 
-def write_safetensors(fh: BinaryIO, tensors: Iterable[tuple[str, HostTensor]], metadata: dict[str, str] | None = None) -> dict[str, tuple[int, int]]:
+def write_safetensors(
+    fh: BinaryIO, tensors: Iterable[tuple[str, HostTensor]], metadata: dict[str, str] | None = None
+) -> dict[str, tuple[int, int]]:
     """Stream a safetensors file into ``fh``; returns absolute (offset, length) per tensor."""
     items = list(tensors)
     header, locations = build_header(items, metadata)

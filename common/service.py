@@ -44,17 +44,24 @@ def start(app_state: Any, settings: Settings, adapter: EngineAdapter | None) -> 
 
     if not settings.store or adapter is None:
         set_subscriber(app_state, None)
-        log.warning("delta-swap: no store configured (%s); the server will not follow a store",
-                    Settings.env_name("store"))
+        log.warning(
+            "delta-swap: no store configured (%s); the server will not follow a store", Settings.env_name("store")
+        )
         return None
     show_info_logs()
     subscriber = Subscriber(settings, adapter)
     set_subscriber(app_state, subscriber)
     subscriber.start()
-    log.info("delta-swap: %s follows %s (drain=%s, %d tensors served)", adapter.name, public_url(settings.store),
-             settings.drain.value, len(adapter.served.specs))
+    log.info(
+        "delta-swap: %s follows %s (drain=%s, %d tensors served)",
+        adapter.name,
+        public_url(settings.store),
+        settings.drain.value,
+        len(adapter.served.specs),
+    )
     (log.info if settings.admin_token and not settings.admin_open_loopback else log.warning)(
-        admin_access_line(settings.admin_token, settings.admin_open_loopback))
+        admin_access_line(settings.admin_token, settings.admin_open_loopback)
+    )
     return subscriber
 
 

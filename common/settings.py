@@ -28,16 +28,16 @@ FLAG_PREFIX = "--delta-swap-"
 class DrainPolicy(str, Enum):
     """What happens to in-flight requests while weights are swapped."""
 
-    WAIT = "wait"    # stop admitting, let running requests finish (up to a timeout), then swap
-    KEEP = "keep"    # freeze running requests in place, swap, resume them on the new weights
+    WAIT = "wait"  # stop admitting, let running requests finish (up to a timeout), then swap
+    KEEP = "keep"  # freeze running requests in place, swap, resume them on the new weights
     ABORT = "abort"  # abort running requests, swap
 
 
 class SwapPath(str, Enum):
     """Which swap path a server takes (``Settings.swap_path``)."""
 
-    AUTO = "auto"      # arena where the engine's parameters are plain host tensors, else reload
-    ARENA = "arena"    # ask the engine for plain parameters where it allows it; reload where it cannot
+    AUTO = "auto"  # arena where the engine's parameters are plain host tensors, else reload
+    ARENA = "arena"  # ask the engine for plain parameters where it allows it; reload where it cannot
     RELOAD = "reload"  # always the engine's own loader
 
 
@@ -157,8 +157,9 @@ class Settings:
         return FLAG_PREFIX + name.replace("_", "-")
 
     @classmethod
-    def load(cls, flags: argparse.Namespace | Mapping[str, Any] | None = None,
-             env: Mapping[str, str] | None = None) -> Settings:
+    def load(
+        cls, flags: argparse.Namespace | Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+    ) -> Settings:
         """Settings from parsed flags (attributes ``delta_swap_<field>``; None means not given),
         else the environment, else the defaults. Raises ConfigError naming a bad setting."""
         env = os.environ if env is None else env
@@ -189,9 +190,16 @@ class Settings:
             if isinstance(f.default, Enum):
                 extra["choices"] = [m.value for m in type(f.default)]
             help_text = f"{docs.get(f.name, '')} Env: {cls.env_name(f.name)} (default {_shown(f.default)})."
-            group.add_argument(cls.flag_name(f.name), *cls.FLAG_ALIASES.get(f.name, ()),
-                               dest="delta_swap_" + f.name, default=None, metavar=f.name.upper(),
-                               type=str if extra else kind, help=help_text.replace("%", "%%"), **extra)
+            group.add_argument(
+                cls.flag_name(f.name),
+                *cls.FLAG_ALIASES.get(f.name, ()),
+                dest="delta_swap_" + f.name,
+                default=None,
+                metavar=f.name.upper(),
+                type=str if extra else kind,
+                help=help_text.replace("%", "%%"),
+                **extra,
+            )
 
 
 def _shown(default: Any) -> str:
@@ -200,8 +208,14 @@ def _shown(default: Any) -> str:
 
 def _converter(annotation: str) -> Callable[[Any], Any]:
     base = annotation.replace(" | None", "").replace("None | ", "")
-    converters: dict[str, Callable[[Any], Any]] = {"str": str, "float": float, "int": int, "bool": _boolean,
-                                                   "DrainPolicy": DrainPolicy, "SwapPath": SwapPath}
+    converters: dict[str, Callable[[Any], Any]] = {
+        "str": str,
+        "float": float,
+        "int": int,
+        "bool": _boolean,
+        "DrainPolicy": DrainPolicy,
+        "SwapPath": SwapPath,
+    }
     return converters[base]
 
 
@@ -223,7 +237,12 @@ def field_docs(cls: type) -> dict[str, str]:
     body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
     docs: dict[str, str] = {}
     for node, after in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
-                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
             docs[node.target.id] = " ".join(after.value.value.split())
     return docs

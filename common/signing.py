@@ -65,8 +65,12 @@ class SigningKey:
     def sign(self, data: bytes, context: bytes = MANIFEST_CONTEXT) -> bytes:
         """A signature document (the contents of ``manifest.sig``) over ``data`` in ``context``."""
         signature = self.private.sign(context + data)  # type: ignore[attr-defined]
-        doc = {"format": SIGNATURE_FORMAT, "algorithm": ALGORITHM, "key_id": self.key_id,
-               "signature": base64.b64encode(signature).decode()}
+        doc = {
+            "format": SIGNATURE_FORMAT,
+            "algorithm": ALGORITHM,
+            "key_id": self.key_id,
+            "signature": base64.b64encode(signature).decode(),
+        }
         return json.dumps(doc).encode()
 
     def trusted(self) -> TrustedKeys:
@@ -108,8 +112,9 @@ class TrustedKeys:
         ``signature_doc`` is a valid signature by one of these keys."""
         return self.verify_object(manifest_bytes, signature_doc, f"snapshot {snapshot_id}", "manifest")
 
-    def verify_object(self, data: bytes, signature_doc: bytes | str, subject: str, noun: str,
-                      context: bytes = MANIFEST_CONTEXT) -> str:
+    def verify_object(
+        self, data: bytes, signature_doc: bytes | str, subject: str, noun: str, context: bytes = MANIFEST_CONTEXT
+    ) -> str:
         """:meth:`verify` for any signed object: ``subject`` and ``noun`` name it in errors."""
         from cryptography.exceptions import InvalidSignature
 
@@ -141,13 +146,15 @@ def generate_keypair(path: str | os.PathLike[str]) -> tuple[Path, Path]:
         raise ConfigError(f"{key_path} exists; refusing to overwrite a key")
     key_path.parent.mkdir(parents=True, exist_ok=True)
     private = Ed25519PrivateKey.generate()
-    pem = private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                serialization.NoEncryption())
+    pem = private.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as fh:
         fh.write(pem)
-    pub_path.write_bytes(private.public_key().public_bytes(serialization.Encoding.PEM,
-                                                           serialization.PublicFormat.SubjectPublicKeyInfo))
+    pub_path.write_bytes(
+        private.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
     return key_path, pub_path
 
 

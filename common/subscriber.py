@@ -87,8 +87,9 @@ class Subscriber:
             if self._store is None:
                 assert self.settings.store
                 self._store = open_store(self.settings.store, create=True)
-            self._reader = ChainReader(self._store, self._trusted,
-                                       expected_tensors=len(self.adapter.served.specs) or None)
+            self._reader = ChainReader(
+                self._store, self._trusted, expected_tensors=len(self.adapter.served.specs) or None
+            )
         return self._reader
 
     @property
@@ -189,8 +190,13 @@ class Subscriber:
             ok = await self.sync(force_base=True, allow_older=allow_older)
         finally:
             self._resyncing = False
-        self._last_resync = {"at": time.time(), "ok": ok, "from_step": before,
-                             "to_step": self._current and self._current.step, "allow_older": allow_older}
+        self._last_resync = {
+            "at": time.time(),
+            "ok": ok,
+            "from_step": before,
+            "to_step": self._current and self._current.step,
+            "allow_older": allow_older,
+        }
         return ok
 
     def _record_error(self, exc: BaseException) -> None:
@@ -200,8 +206,12 @@ class Subscriber:
         self._last_error = f"{type(exc).__name__}: {self._public_message(exc)}"
         self._last_error_kind = kind
         self._last_error_at = time.time()
-        log.warning("delta-swap: staying on %s: %s: %s", self._current and self._current.snapshot_id,
-                    type(exc).__name__, self._without_secrets(str(exc)))
+        log.warning(
+            "delta-swap: staying on %s: %s: %s",
+            self._current and self._current.snapshot_id,
+            type(exc).__name__,
+            self._without_secrets(str(exc)),
+        )
 
     def _without_secrets(self, text: str) -> str:
         """``text`` (for the server's log) without the store URL's credentials or the admin token."""
@@ -237,8 +247,10 @@ class Subscriber:
         if not allow_older and seen is not None and seen.run_id is not None and newest.run_id != seen.run_id:
             freshness.refuse_going_back(newest, seen, "this server", _OVERRIDE)
         if current is not None and newest.step - current.step > self.settings.max_step_jump:
-            raise ChainError(f"newest snapshot {newest.snapshot_id} is {newest.step - current.step} steps ahead of "
-                             f"{current.snapshot_id}, more than max_step_jump={self.settings.max_step_jump}")
+            raise ChainError(
+                f"newest snapshot {newest.snapshot_id} is {newest.step - current.step} steps ahead of "
+                f"{current.snapshot_id}, more than max_step_jump={self.settings.max_step_jump}"
+            )
         if self._newest is None or newest.step >= self._newest.step:
             self._newest = newest
         if not force_base and current is not None and newest.step <= current.step:
@@ -249,18 +261,33 @@ class Subscriber:
             freshness.refuse_going_back(target, seen, "this server", _OVERRIDE)
         self.adapter.served.check_fits(target.specs)  # before a byte is fetched
         timings: dict[str, float] = {"fetch": 0.0, "decode": 0.0, "verify": 0.0}
-        log.info("delta-swap: updating from %s to %s (%d snapshot(s) to fetch)",
-                 current and current.snapshot_id, target.snapshot_id, len(path))
+        log.info(
+            "delta-swap: updating from %s to %s (%d snapshot(s) to fetch)",
+            current and current.snapshot_id,
+            target.snapshot_id,
+            len(path),
+        )
         self._enter_phase("fetch")  # fetch, decode and verify
         start = None if path[0].kind is SnapshotKind.BASE else self._state
         if any(t.encoding not in (Encoding.RAW, Encoding.SAME) for m in path for t in m.tensors):
             await asyncio.to_thread(codec_warm_up.start_warm_up(encoder=False).join)  # compiled before, not during
         out = await self.adapter.destination(target.specs)  # the engine's spare weights, if it has them
-        state = await replay(self.reader, path, start, concurrency=self.settings.fetch_concurrency,
-                             meter=Meter(timings, self._metrics.bytes_fetched.inc),
-                             max_model_bytes=self._max_model_bytes(), out=out)
-        update = WeightUpdate(version=target.snapshot_id, state=state, names=self._changed(target),
-                              previous=self._state, checksums={t.name: t.checksum for t in target.tensors})
+        state = await replay(
+            self.reader,
+            path,
+            start,
+            concurrency=self.settings.fetch_concurrency,
+            meter=Meter(timings, self._metrics.bytes_fetched.inc),
+            max_model_bytes=self._max_model_bytes(),
+            out=out,
+        )
+        update = WeightUpdate(
+            version=target.snapshot_id,
+            state=state,
+            names=self._changed(target),
+            previous=self._state,
+            checksums={t.name: t.checksum for t in target.tensors},
+        )
         self._staged_id = target.snapshot_id
         timings.update(await apply_update(self.adapter, update, self.settings, on_phase=self._enter_phase))
         self._state, self._current = state, target
@@ -273,8 +300,13 @@ class Subscriber:
         for phase, seconds in timings.items():
             self._metrics.phase_seconds.labels(phase).observe(seconds)
         self._last_error = None
-        log.info("delta-swap: now serving %s (step %d) via the %s path: %s", target.snapshot_id, target.step,
-                 await self._swap_path(), ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in timings.items()))
+        log.info(
+            "delta-swap: now serving %s (step %d) via the %s path: %s",
+            target.snapshot_id,
+            target.step,
+            await self._swap_path(),
+            ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in timings.items()),
+        )
         return True
 
     def _floor(self) -> freshness.Seen | None:

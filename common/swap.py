@@ -38,8 +38,9 @@ def timed(timings: dict[str, float], phase: str, on_phase: Callable[[str], None]
         timings[phase] = timings.get(phase, 0.0) + time.perf_counter() - start
 
 
-async def apply_update(adapter: EngineAdapter, update: WeightUpdate, settings: Settings,
-                       on_phase: Callable[[str], None] | None = None) -> dict[str, float]:
+async def apply_update(
+    adapter: EngineAdapter, update: WeightUpdate, settings: Settings, on_phase: Callable[[str], None] | None = None
+) -> dict[str, float]:
     """Put ``update`` into the engine behind ``adapter``; returns the seconds of each phase
     (``on_phase`` hears each phase's name as it starts).
 
@@ -65,7 +66,8 @@ async def apply_update(adapter: EngineAdapter, update: WeightUpdate, settings: S
                 except Exception as undo:
                     raise EngineStateUnknownError(
                         f"{adapter.name}: the swap failed ({exc}) and restoring the previous weights failed too "
-                        f"({undo}); the engine must be reloaded") from undo
+                        f"({undo}); the engine must be reloaded"
+                    ) from undo
             if isinstance(exc, DeltaSwapError):
                 raise
             raise adapter.engine_error(exc) from exc
@@ -94,11 +96,14 @@ async def _rollback(adapter: EngineAdapter, failed: WeightUpdate, version: str |
     if previous is None or any(name not in previous for name in failed.names):
         # First sync: the tensors the server started with, memory-mapped from its checkpoint.
         if adapter.served.checkpoint_dir is None:
-            raise EngineError("the swap failed and the served checkpoint is unknown: cannot restore the previous weights")
+            raise EngineError(
+                "the swap failed and the served checkpoint is unknown: cannot restore the previous weights"
+            )
         checkpoint, _ = await asyncio.to_thread(read_checkpoint_dir, adapter.served.checkpoint_dir)
         previous = checkpoint
-    back = WeightUpdate(version=version, state=previous, names=tuple(n for n in failed.names if n in previous),
-                        previous=failed.state)
+    back = WeightUpdate(
+        version=version, state=previous, names=tuple(n for n in failed.names if n in previous), previous=failed.state
+    )
     staged = await _engine_call(adapter, adapter.stage(back))
     try:
         await _engine_call(adapter, adapter.swap(back, staged))

@@ -24,8 +24,9 @@ from .host_memory import release_free_heap
 from .tensors import StateDict, TensorSpecs
 
 
-def plan_layout(params: Mapping[str, Any], packed: Mapping[str, Sequence[str]],
-                specs: TensorSpecs) -> tuple[ArenaLayout | None, str]:
+def plan_layout(
+    params: Mapping[str, Any], packed: Mapping[str, Sequence[str]], specs: TensorSpecs
+) -> tuple[ArenaLayout | None, str]:
     """An arena layout for these torch ``params`` that places every checkpoint tensor of
     ``specs``, or (None, why not)."""
     slots = []
@@ -56,8 +57,9 @@ def plan_layout(params: Mapping[str, Any], packed: Mapping[str, Sequence[str]],
         return None, str(exc)
 
 
-def _place(name: str, params: Mapping[str, Any], packed: Mapping[str, Sequence[str]],
-           specs: TensorSpecs) -> tuple[str | None, int]:
+def _place(
+    name: str, params: Mapping[str, Any], packed: Mapping[str, Sequence[str]], specs: TensorSpecs
+) -> tuple[str | None, int]:
     """The parameter a checkpoint tensor lives in and its byte offset there."""
     if name in params:
         return name, 0
@@ -87,7 +89,7 @@ def check_matches(params: Mapping[str, Any], layout: ArenaLayout, checkpoint: St
         if expected is None:
             return f"{name} is not in the served checkpoint"
         live = params[place.slot].detach().reshape(-1).view(torch.uint8).numpy()
-        if not np.array_equal(live[place.offset:place.offset + place.nbytes], expected.data):
+        if not np.array_equal(live[place.offset : place.offset + place.nbytes], expected.data):
             return f"the engine holds {name} in another form than the checkpoint"
     return None
 

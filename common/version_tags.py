@@ -64,8 +64,11 @@ def record(index: int, spans: list[Any]) -> None:
 def _span(span: Any) -> dict[str, Any]:
     if isinstance(span, dict):
         return {"version": span.get("version"), "start": span.get("start"), "end": span.get("end")}
-    return {"version": getattr(span, "version", None), "start": getattr(span, "start", None),
-            "end": getattr(span, "end", None)}
+    return {
+        "version": getattr(span, "version", None),
+        "start": getattr(span, "start", None),
+        "end": getattr(span, "end", None),
+    }
 
 
 class WeightVersionMiddleware:
@@ -108,8 +111,13 @@ class _Rewriter:
             if message.get("status") == 200 and content_type.startswith(b"text/event-stream"):
                 self.mode = "sse"
                 if self.recorder.admitted is not None:
-                    message = {**message, "headers": [*message.get("headers", []),
-                                                      (b"x-weight-version", self.recorder.admitted.encode())]}
+                    message = {
+                        **message,
+                        "headers": [
+                            *message.get("headers", []),
+                            (b"x-weight-version", self.recorder.admitted.encode()),
+                        ],
+                    }
             await self._send(message)
             return
         if message["type"] != "http.response.body" or self.mode == "pass":

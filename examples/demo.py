@@ -30,7 +30,9 @@ PROMPT = [5, 17, 99, 230, 41, 300, 301, 302]
 
 def cli(*args: str, show: bool = True) -> str:
     """Run the delta-swap command as a user would, echoing it and its output."""
-    out = subprocess.run([sys.executable, "-m", "delta_swap.cli", *args], check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "delta_swap.cli", *args], check=True, capture_output=True, text=True
+    ).stdout
     if show:
         print("$ delta-swap " + " ".join(args) + "\n" + out, end="", flush=True)
     return out
@@ -64,8 +66,10 @@ def live_swap(work: Path, store: str, checkpoints: list[Path]) -> None:
     print("== starting vLLM with the delta_swap plugin, following a store that holds step 0")
     cli("publish", str(checkpoints[0]), "--store", store, "--step", "0", show=False)
     settings = {"store": store, "poll_interval": 0.5}
-    print(f"$ VLLM_PLUGINS=delta_swap DELTA_SWAP_STORE={store} python -m vllm.entrypoints.openai.api_server "
-          f"--model {checkpoints[0]} ... --weight-transfer-config '{{\"backend\": \"delta_swap\"}}'")
+    print(
+        f"$ VLLM_PLUGINS=delta_swap DELTA_SWAP_STORE={store} python -m vllm.entrypoints.openai.api_server "
+        f'--model {checkpoints[0]} ... --weight-transfer-config \'{{"backend": "delta_swap"}}\''
+    )
     server = vllm_server.start(checkpoints[0], work, settings=settings, served_name="tiny")
     try:
         status_url = f"{server.url}/delta_swap/status"
@@ -79,8 +83,10 @@ def live_swap(work: Path, store: str, checkpoints: list[Path]) -> None:
                 time.sleep(0.2)
             out = generate(server.url)
             timings = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in st["last_update_timings_s"].items())
-            print(f"step {step}: serving {st['current_snapshot_id']}  tokens {out['token_ids']}  "
-                  f"tagged {out['weight_versions'][0]['version']}\n          last update: {timings}")
+            print(
+                f"step {step}: serving {st['current_snapshot_id']}  tokens {out['token_ids']}  "
+                f"tagged {out['weight_versions'][0]['version']}\n          last update: {timings}"
+            )
         print(f"\n$ curl {status_url}\n{json.dumps(httpx.get(status_url).json(), indent=1)}")
     finally:
         server.stop()

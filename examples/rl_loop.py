@@ -91,8 +91,13 @@ class Fleet:
         """``n`` completions of ``prompt`` from server ``i``: (prompt ids, completion ids, version step)."""
         client = self.clients[i % len(self.clients)]
         response = client.completions.create(
-            model="policy", prompt=prompt, n=n, max_tokens=max_tokens, temperature=1.0,
-            extra_body={"return_token_ids": True, "ignore_eos": True})
+            model="policy",
+            prompt=prompt,
+            n=n,
+            max_tokens=max_tokens,
+            temperature=1.0,
+            extra_body={"return_token_ids": True, "ignore_eos": True},
+        )
         out = []
         for choice in response.choices:
             extra = choice.model_extra or {}
@@ -134,7 +139,7 @@ def grpo_loss(model: torch.nn.Module, rollouts: list[Rollout]) -> torch.Tensor:
             if not r.completion_ids or advantage == 0:
                 continue
             ids = torch.tensor([r.prompt_ids + r.completion_ids])
-            logits = model(ids).logits[0, len(r.prompt_ids) - 1:-1]
+            logits = model(ids).logits[0, len(r.prompt_ids) - 1 : -1]
             logprobs = torch.log_softmax(logits.float(), dim=-1)
             taken = logprobs.gather(1, torch.tensor(r.completion_ids).unsqueeze(1)).squeeze(1)
             losses.append(-advantage * taken.mean())
@@ -158,16 +163,26 @@ def train(args: argparse.Namespace) -> list[StepLog]:
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     work = Path(args.workdir)
-    model_dir = make_tiny_model(work / "policy-init", hidden_size=args.hidden, num_layers=2, num_heads=4,
-                                num_kv_heads=2, intermediate_size=2 * args.hidden, init_std=0.02, seed=args.seed)
+    model_dir = make_tiny_model(
+        work / "policy-init",
+        hidden_size=args.hidden,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=2 * args.hidden,
+        init_std=0.02,
+        seed=args.seed,
+    )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     torch.manual_seed(args.seed)
     policy = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)  # fp32 master weights
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
     store = work / "store"
-    publisher = Publisher(str(store), PublisherConfig(base_every=args.base_every),
-                          files={n: (model_dir / n).read_bytes() for n in ("config.json", "tokenizer.json",
-                                                                          "tokenizer_config.json")})
+    publisher = Publisher(
+        str(store),
+        PublisherConfig(base_every=args.base_every),
+        files={n: (model_dir / n).read_bytes() for n in ("config.json", "tokenizer.json", "tokenizer_config.json")},
+    )
 
     def publish(step: int) -> str:
         return publisher.publish(step, {k: v.detach().to(torch.bfloat16) for k, v in policy.state_dict().items()})
@@ -181,13 +196,18 @@ def train(args: argparse.Namespace) -> list[StepLog]:
     pipeline: Pipeline | None = None
     try:
         fleet.wait_for_step(0)
-        print(f"{'step':>4} {'reward':>7} {'rollout versions':>18} {'stale p50/max':>13} {'dropped':>7} "
-              f"{'swap window':>11} {'published':>10} {'s':>5}", flush=True)
+        print(
+            f"{'step':>4} {'reward':>7} {'rollout versions':>18} {'stale p50/max':>13} {'dropped':>7} "
+            f"{'swap window':>11} {'published':>10} {'s':>5}",
+            flush=True,
+        )
+
         def sample_batch() -> list:
             prompts = [" ".join(rng.sample(PROMPT_WORDS, 4)) for _ in range(args.prompts)]
             with ThreadPoolExecutor(len(prompts)) as pool:
-                return list(pool.map(lambda ip: fleet.sample(ip[0], ip[1], args.group, args.max_tokens),
-                                     enumerate(prompts)))
+                return list(
+                    pool.map(lambda ip: fleet.sample(ip[0], ip[1], args.group, args.max_tokens), enumerate(prompts))
+                )
 
         if args.async_rollouts:
             pipeline = Pipeline(sample_batch, fleet, args.max_staleness)
@@ -206,8 +226,9 @@ def train(args: argparse.Namespace) -> list[StepLog]:
                         if version is None or version < oldest_allowed:
                             dropped += 1  # too old (or unknown): off-policy beyond the bound
                             continue
-                        rollouts.append(Rollout(prompt_ids, completion_ids,
-                                                digit_reward(tokenizer, completion_ids), version, g))
+                        rollouts.append(
+                            Rollout(prompt_ids, completion_ids, digit_reward(tokenizer, completion_ids), version, g)
+                        )
             loss = grpo_loss(policy, rollouts)
             optimizer.zero_grad()
             loss.backward()
@@ -217,16 +238,25 @@ def train(args: argparse.Namespace) -> list[StepLog]:
             manifest_bytes = _payload_bytes(store, step)
             windows = [st["last_update_timings_s"] for st in fleet.statuses()]
             window = [sum(t.get(p, 0.0) for p in ("pause", "swap", "resume")) for t in windows if t]
-            log = StepLog(step, statistics.fmean(r.reward for r in rollouts) if rollouts else 0.0,
-                          [r.version for r in rollouts], [step - 1 - r.version for r in rollouts if r.version is not None],
-                          dropped, 1000 * max(window) if window else None, manifest_bytes,
-                          time.perf_counter() - started)
+            log = StepLog(
+                step,
+                statistics.fmean(r.reward for r in rollouts) if rollouts else 0.0,
+                [r.version for r in rollouts],
+                [step - 1 - r.version for r in rollouts if r.version is not None],
+                dropped,
+                1000 * max(window) if window else None,
+                manifest_bytes,
+                time.perf_counter() - started,
+            )
             logs.append(log)
             stale = log.staleness or [0]
-            print(f"{step:>4} {log.reward:>7.3f} {_versions(log.versions):>18} "
-                  f"{statistics.median(stale):>6.0f}/{max(stale):<6} {dropped:>7} "
-                  f"{(f'{log.window_ms:.0f} ms' if log.window_ms is not None else '-'):>11} "
-                  f"{manifest_bytes / 1e3:>8.1f}kB {log.seconds:>5.1f}", flush=True)
+            print(
+                f"{step:>4} {log.reward:>7.3f} {_versions(log.versions):>18} "
+                f"{statistics.median(stale):>6.0f}/{max(stale):<6} {dropped:>7} "
+                f"{(f'{log.window_ms:.0f} ms' if log.window_ms is not None else '-'):>11} "
+                f"{manifest_bytes / 1e3:>8.1f}kB {log.seconds:>5.1f}",
+                flush=True,
+            )
     finally:
         if pipeline is not None:
             pipeline.close()
@@ -298,8 +328,13 @@ def plot(logs: list[StepLog], path: Path, title: str) -> None:
     ax.set_ylabel("reward")
     ax2 = ax.twinx()
     ax2.plot(steps, [max(log.staleness or [0]) for log in logs], "s:", color="tab:gray", label="max staleness")
-    ax2.plot(steps, [statistics.median(log.staleness or [0]) for log in logs], ".--", color="tab:purple",
-             label="median staleness")
+    ax2.plot(
+        steps,
+        [statistics.median(log.staleness or [0]) for log in logs],
+        ".--",
+        color="tab:purple",
+        label="median staleness",
+    )
     ax2.set_ylabel("staleness (steps)")
     ax2.set_ylim(-0.2, max(2, max(max(log.staleness or [0]) for log in logs)) + 0.5)
     lines = ax.get_legend_handles_labels()
@@ -320,11 +355,19 @@ def main(argv: list[str] | None = None) -> list[StepLog]:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--base-every", type=int, default=10)
-    parser.add_argument("--max-staleness", type=int, default=1,
-                        help="k: sample step s only once the fleet serves step s-1-k; drop older rollouts")
-    parser.add_argument("--async-rollouts", action=argparse.BooleanOptionalAction, default=True,
-                        help="sample the next batch while the trainer trains (rollouts then lag behind); "
-                             "--no-async-rollouts samples only once the fleet serves the newest step")
+    parser.add_argument(
+        "--max-staleness",
+        type=int,
+        default=1,
+        help="k: sample step s only once the fleet serves step s-1-k; drop older rollouts",
+    )
+    parser.add_argument(
+        "--async-rollouts",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="sample the next batch while the trainer trains (rollouts then lag behind); "
+        "--no-async-rollouts samples only once the fleet serves the newest step",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir")
     parser.add_argument("--plot", help="where the reward/staleness PNG goes (default: the work folder)")
@@ -333,15 +376,20 @@ def main(argv: list[str] | None = None) -> list[StepLog]:
     args.plot = args.plot or str(Path(args.workdir) / "rl_loop.png")
     logs = train(args)
     first = statistics.fmean(log.reward for log in logs[: max(1, len(logs) // 4)])
-    last = statistics.fmean(log.reward for log in logs[-max(1, len(logs) // 4):])
+    last = statistics.fmean(log.reward for log in logs[-max(1, len(logs) // 4) :])
     published = sum(log.published_bytes for log in logs)
-    print(f"\nreward {first:.3f} -> {last:.3f} over {len(logs)} steps; {published / 1e6:.2f} MB published in "
-          f"{len(logs)} snapshots; max staleness {max(max(log.staleness or [0]) for log in logs)} "
-          f"(bound {args.max_staleness}); {sum(log.dropped for log in logs)} rollouts dropped")
+    print(
+        f"\nreward {first:.3f} -> {last:.3f} over {len(logs)} steps; {published / 1e6:.2f} MB published in "
+        f"{len(logs)} snapshots; max staleness {max(max(log.staleness or [0]) for log in logs)} "
+        f"(bound {args.max_staleness}); {sum(log.dropped for log in logs)} rollouts dropped"
+    )
     engines = {"vllm": "vLLM", "sglang": "SGLang", "both": "vLLM + SGLang"}[args.engine]
     mode = "asynchronous rollouts" if args.async_rollouts else "synchronous rollouts"
-    plot(logs, Path(args.plot), f"GRPO on a live {engines} fleet, hot-swapped every step "
-                                f"({mode}, max staleness {args.max_staleness})")
+    plot(
+        logs,
+        Path(args.plot),
+        f"GRPO on a live {engines} fleet, hot-swapped every step ({mode}, max staleness {args.max_staleness})",
+    )
     print(f"wrote {args.plot}")
     return logs
 

@@ -128,10 +128,21 @@ def make_tiny_model(
     tokenizer.save_pretrained(out)
 
     if family != "llama":
-        return _save_family(out, family, tokenizer, seed=seed, torch_dtype=torch_dtype, init_std=init_std,
-                            vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                            num_hidden_layers=num_layers, num_attention_heads=num_heads,
-                            num_key_value_heads=num_kv_heads, head_dim=hidden_size // num_heads)
+        return _save_family(
+            out,
+            family,
+            tokenizer,
+            seed=seed,
+            torch_dtype=torch_dtype,
+            init_std=init_std,
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=hidden_size // num_heads,
+        )
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -171,16 +182,27 @@ def _save_family(out: Path, family: str, tokenizer, *, seed: int, torch_dtype, i
     import torch
     import transformers
 
-    special = {"bos_token_id": tokenizer.convert_tokens_to_ids(_BOS), "eos_token_id": tokenizer.convert_tokens_to_ids(_EOS),
-               "max_position_embeddings": 2048, "initializer_range": init_std}
-    moe = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": shape["intermediate_size"] // 4,
-           "norm_topk_prob": True}
+    special = {
+        "bos_token_id": tokenizer.convert_tokens_to_ids(_BOS),
+        "eos_token_id": tokenizer.convert_tokens_to_ids(_EOS),
+        "max_position_embeddings": 2048,
+        "initializer_range": init_std,
+    }
+    moe = {
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": shape["intermediate_size"] // 4,
+        "norm_topk_prob": True,
+    }
     configs = {
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": False}),
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"tie_word_embeddings": True}),
         "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"tie_word_embeddings": False, **moe}),
-        "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
-                      {"tie_word_embeddings": False, **moe, "shared_expert_intermediate_size": shape["intermediate_size"]}),
+        "qwen2_moe": (
+            "Qwen2MoeConfig",
+            "Qwen2MoeForCausalLM",
+            {"tie_word_embeddings": False, **moe, "shared_expert_intermediate_size": shape["intermediate_size"]},
+        ),
     }
     if family not in configs:
         raise ValueError(f"unknown model family {family!r}; known: {', '.join(FAMILIES)}")
@@ -194,8 +216,11 @@ def _save_family(out: Path, family: str, tokenizer, *, seed: int, torch_dtype, i
     with torch.no_grad():  # HF inits norms to 1 and biases to 0: give them values a delta can move
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
-                param.copy_(1.0 + 0.1 * torch.randn_like(param, dtype=torch.float32)
-                            if name.endswith("norm.weight") else torch.randn_like(param, dtype=torch.float32))
+                param.copy_(
+                    1.0 + 0.1 * torch.randn_like(param, dtype=torch.float32)
+                    if name.endswith("norm.weight")
+                    else torch.randn_like(param, dtype=torch.float32)
+                )
     model.save_pretrained(out)
     return out
 
@@ -208,8 +233,9 @@ _BITS = {
 }
 
 
-def perturb_weights(src_dir: str | Path, out_dir: str | Path, *, fraction: float = 0.02, seed: int = 1,
-                    only: str | None = None) -> Path:
+def perturb_weights(
+    src_dir: str | Path, out_dir: str | Path, *, fraction: float = 0.02, seed: int = 1, only: str | None = None
+) -> Path:
     """Copy the checkpoint in `src_dir` to `out_dir`, nudging `fraction` of each tensor's elements.
 
     Chosen elements of every float tensor move by +-1..3 ULP (the magnitude's bit pattern, clamped to

@@ -60,8 +60,9 @@ class SglangAdapter(EngineAdapter):
 
     name = "sglang"
 
-    def __init__(self, tokenizer_manager: Any, served: ServedModel, settings: Settings | None = None,
-                 tp_size: int = 1) -> None:
+    def __init__(
+        self, tokenizer_manager: Any, served: ServedModel, settings: Settings | None = None, tp_size: int = 1
+    ) -> None:
         self.tm = tokenizer_manager
         self.served = served
         self.settings = settings or Settings()
@@ -80,8 +81,10 @@ class SglangAdapter(EngineAdapter):
         return self.tm.config_value("weight_version")
 
     async def describe(self) -> dict[str, Any]:
-        return {"swap_path": "arena" if self.arenas else ("tensor" if self._described else None),
-                "swap_path_reason": self.path_reason}
+        return {
+            "swap_path": "arena" if self.arenas else ("tensor" if self._described else None),
+            "swap_path_reason": self.path_reason,
+        }
 
     async def destination(self, specs: TensorSpecs) -> StateDict | None:
         if not self._described:
@@ -258,8 +261,12 @@ class SglangAdapter(EngineAdapter):
         try:
             # flush_cache drops every KV computed with the old weights (SGLang refuses while requests
             # kept in place hold KV: then the version salt keeps new requests off it).
-            request = UpdateWeightsFromTensorReqInput(serialized_named_tensors=payloads, load_format=load_format,
-                                                      flush_cache=not self._keep_kv, weight_version=version)
+            request = UpdateWeightsFromTensorReqInput(
+                serialized_named_tensors=payloads,
+                load_format=load_format,
+                flush_cache=not self._keep_kv,
+                weight_version=version,
+            )
             ok, message = await self.tm.update_weights_from_tensor(request, None)
         finally:
             end_ok, end_message = await self.tm.end_weight_update(EndWeightUpdateReqInput(), None)

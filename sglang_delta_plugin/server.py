@@ -75,14 +75,20 @@ def refuse_unsupported(server_args: Any) -> None:
         raise ConfigError("delta_swap does not support --pp-size > 1 yet")
     quantization = getattr(server_args, "quantization", None)
     if quantization:
-        raise ConfigError(f"delta_swap does not support quantized servers yet (--quantization {quantization}: "
-                          "the engine would hold re-quantized weights, not the published ones); serve bf16/fp16")
+        raise ConfigError(
+            f"delta_swap does not support quantized servers yet (--quantization {quantization}: "
+            "the engine would hold re-quantized weights, not the published ones); serve bf16/fp16"
+        )
     if getattr(server_args, "enable_lora", None) or getattr(server_args, "lora_paths", None):
-        raise ConfigError("delta_swap does not support LoRA adapters yet (--enable-lora / --lora-paths: base "
-                          "weights under loaded adapters are not verified); serve without LoRA")
+        raise ConfigError(
+            "delta_swap does not support LoRA adapters yet (--enable-lora / --lora-paths: base "
+            "weights under loaded adapters are not verified); serve without LoRA"
+        )
     if getattr(server_args, "enable_multimodal", None) or _is_multimodal(getattr(server_args, "model_path", None)):
-        raise ConfigError("delta_swap does not support multimodal models yet (the vision tower and its "
-                          "processor are not covered by the swap's checks)")
+        raise ConfigError(
+            "delta_swap does not support multimodal models yet (the vision tower and its "
+            "processor are not covered by the swap's checks)"
+        )
 
 
 def _is_multimodal(model_path: str | None) -> bool:

@@ -46,8 +46,9 @@ class Bucket:
     nbytes: int
 
 
-def pack(state: Mapping[str, HostTensor], names: Sequence[str], checksums: Mapping[str, str] | None = None,
-         ranks: int = 1) -> Bucket:
+def pack(
+    state: Mapping[str, HostTensor], names: Sequence[str], checksums: Mapping[str, str] | None = None, ranks: int = 1
+) -> Bucket:
     """Copy the ``names`` tensors of ``state`` (already checked against the served model) into one
     shared-memory buffer and verify the copied bytes against ``checksums`` (name -> "xxh3_128:..."),
     if given."""
@@ -67,10 +68,15 @@ def pack(state: Mapping[str, HostTensor], names: Sequence[str], checksums: Mappi
         view[start:end] = tensor.data
         if checksums is not None:
             verify(view[start:end], checksums[name], f"staged tensor {name}")
-        metadata.append(FlattenedTensorMetadata(
-            name=name, shape=torch.Size(tensor.shape), dtype=to_torch_dtype(tensor.dtype),
-            start_idx=start, end_idx=end, numel=end - start,
-        ))
+        metadata.append(
+            FlattenedTensorMetadata(
+                name=name,
+                shape=torch.Size(tensor.shape),
+                dtype=to_torch_dtype(tensor.dtype),
+                start_idx=start,
+                end_idx=end,
+                numel=end - start,
+            )
+        )
     bucket = {"flattened_tensor": flat, "metadata": metadata}
     return Bucket([MultiprocessingSerializer.serialize(bucket) for _ in range(ranks)], total)
-

@@ -87,12 +87,21 @@ def test_publish_leaves_no_process_behind(tmp_path, checkpoints) -> None:
     (site / "sitecustomize.py").write_text(
         "import time\n"
         "try:\n    cmd = open('/proc/self/cmdline', 'rb').read()\nexcept OSError:\n    cmd = b''\n"
-        "if b'codec.warm_up' in cmd:\n    time.sleep(4)\n")
+        "if b'codec.warm_up' in cmd:\n    time.sleep(4)\n"
+    )
     marker = f"leftover-{uuid.uuid4().hex}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
-           "DELTA_SWAP_TEST_MARKER": marker}
-    proc = subprocess.run([*CLI, "publish", str(checkpoints[0]), "--store", str(tmp_path / "store"), "--step", "0"],
-                          capture_output=True, text=True, timeout=300, env=env)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+        "DELTA_SWAP_TEST_MARKER": marker,
+    }
+    proc = subprocess.run(
+        [*CLI, "publish", str(checkpoints[0]), "--store", str(tmp_path / "store"), "--step", "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
 
     def left() -> list[str]:

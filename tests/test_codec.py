@@ -32,12 +32,22 @@ def _pair(rng: np.random.Generator, dtype: str, n: int, density: float, small: b
     if small:  # mantissa-only nudges, as RL updates do
         elems[idx] ^= rng.integers(1, 4, size=k).astype(elems.dtype)
     else:
-        elems[idx] = rng.integers(0, 255, size=k).astype(elems.dtype) * elems.dtype.type(0x0101010101010101 % (1 << (8 * width)))
+        elems[idx] = rng.integers(0, 255, size=k).astype(elems.dtype) * elems.dtype.type(
+            0x0101010101010101 % (1 << (8 * width))
+        )
     return old, new
 
 
-def _weights(rng: np.random.Generator, dtype: str, shape: tuple[int, ...], frac: float, dead_rows: float = 0.0,
-             max_step: int = 1, sign_rank: int = 0, agree: float = 0.8) -> tuple[np.ndarray, np.ndarray]:
+def _weights(
+    rng: np.random.Generator,
+    dtype: str,
+    shape: tuple[int, ...],
+    frac: float,
+    dead_rows: float = 0.0,
+    max_step: int = 1,
+    sign_rank: int = 0,
+    agree: float = 0.8,
+) -> tuple[np.ndarray, np.ndarray]:
     """Weight-like floats and an RL-like step: ``frac`` of the elements move by 1..max_step ULPs,
     small ones more often; rows in ``dead_rows`` never change. With ``sign_rank`` the steps'
     signs follow a random rank-``sign_rank`` pattern (as a momentum's outer products do), each
@@ -61,7 +71,9 @@ def _weights(rng: np.random.Generator, dtype: str, shape: tuple[int, ...], frac:
     signs = rng.choice([-1, 1], n)
     if sign_rank:
         pattern = rng.standard_normal((shape[0], sign_rank)) @ rng.standard_normal((sign_rank, n // shape[0]))
-        signs = np.where(rng.random(n) < agree, np.where(pattern.reshape(-1) < 0, -1, 1), -np.where(pattern.reshape(-1) < 0, -1, 1))
+        signs = np.where(
+            rng.random(n) < agree, np.where(pattern.reshape(-1) < 0, -1, 1), -np.where(pattern.reshape(-1) < 0, -1, 1)
+        )
     steps = rng.integers(1, max_step + 1, n) * signs
     key = np.where(changed, key + steps, key)
     new = np.where(key & sign, key ^ sign, (1 << bits) - 1 - key).astype(old.dtype)
@@ -80,7 +92,9 @@ def _weights(rng: np.random.Generator, dtype: str, shape: tuple[int, ...], frac:
     version=st.sampled_from([1, 2]),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_delta_round_trip_is_bit_exact(dtype: str, n: int, density: float, small: bool, version: int, seed: int) -> None:
+def test_delta_round_trip_is_bit_exact(
+    dtype: str, n: int, density: float, small: bool, version: int, seed: int
+) -> None:
     old, new = _pair(np.random.default_rng(seed), dtype, n, density, small)
     config = codec.CodecConfig(version=version)
     shape = (n // 500, 500) if n >= 1000 and n % 500 == 0 else (n,)
@@ -120,7 +134,9 @@ def test_v2_gap_codes_of_every_length_round_trip(rng, spread: int) -> None:
     pos = pos[pos < n]
     new = old.copy()
     new[pos] += rng.integers(1, 3, pos.size).astype(np.uint16)
-    payload = codec.encode_tensor_delta(old.view(np.uint8), new.view(np.uint8), "BF16", codec.CodecConfig(dense_fraction=2.0))
+    payload = codec.encode_tensor_delta(
+        old.view(np.uint8), new.view(np.uint8), "BF16", codec.CodecConfig(dense_fraction=2.0)
+    )
     assert np.array_equal(codec.decode(old.view(np.uint8), payload, "BF16", 2 * n), new.view(np.uint8))
 
 
@@ -148,8 +164,22 @@ def _special(dtype: str) -> np.ndarray:
     mant = {"BF16": 7, "F16": 10, "F32": 23}[dtype]
     sign = 1 << (bits - 1)
     inf = ((1 << (bits - 1 - mant)) - 1) << mant
-    values = [0, sign, 1, sign | 1, inf - 1, sign | (inf - 1), inf, sign | inf, inf | (1 << (mant - 1)), inf | 1,
-              sign | inf | (1 << (mant - 1)), inf | ((1 << mant) - 1), (inf >> 1) & ~((1 << mant) - 1), sign | (inf >> 1)]
+    values = [
+        0,
+        sign,
+        1,
+        sign | 1,
+        inf - 1,
+        sign | (inf - 1),
+        inf,
+        sign | inf,
+        inf | (1 << (mant - 1)),
+        inf | 1,
+        sign | inf | (1 << (mant - 1)),
+        inf | ((1 << mant) - 1),
+        (inf >> 1) & ~((1 << mant) - 1),
+        sign | (inf >> 1),
+    ]
     return np.array(values, dtype=np.uint64).astype(_UINT[width])
 
 
@@ -167,7 +197,9 @@ def test_v2_special_values_huge_steps_and_sign_crossings(dtype: str) -> None:
     new = tiled.copy()
     idx = rng.choice(tiled.size, 200, replace=False)
     new[idx] = tiled[rng.permutation(idx)]
-    payload = codec.encode_tensor_delta(tiled.view(np.uint8), new.view(np.uint8), dtype, codec.CodecConfig(dense_fraction=2.0))
+    payload = codec.encode_tensor_delta(
+        tiled.view(np.uint8), new.view(np.uint8), dtype, codec.CodecConfig(dense_fraction=2.0)
+    )
     assert np.array_equal(codec.decode(tiled.view(np.uint8), payload, dtype, new.nbytes), new.view(np.uint8))
 
 
@@ -207,7 +239,9 @@ def _walk_only(monkeypatch) -> None:
 @pytest.mark.parametrize("dtype", ["BF16", "F16", "F32"])
 @pytest.mark.parametrize("sign_rank", [1, 3])
 @pytest.mark.parametrize("apply", ["select", "walk"])
-def test_predicted_signs_round_trip_and_shrink_the_payload(rng, monkeypatch, dtype: str, sign_rank: int, apply: str) -> None:
+def test_predicted_signs_round_trip_and_shrink_the_payload(
+    rng, monkeypatch, dtype: str, sign_rank: int, apply: str
+) -> None:
     """Steps whose signs follow a low-rank pattern (80% of them) get a sign model (header flag 1):
     bit-exact through both apply paths, in place too, and smaller than raw sign bits."""
     if apply == "walk":
@@ -280,8 +314,11 @@ def test_crafted_sign_models_are_rejected(rng) -> None:
     codec.decode(old, bytes(payload), "BF16", old.size)
     rank, bits = payload[at] & 15, payload[at] >> 4
     crafted = {
-        "unknown flag": (6, 2), "flag on a full payload": None,
-        "rank 0": (at, bits << 4), "rank 5": (at, (bits << 4) | 5), "bits 3": (at, (3 << 4) | rank),
+        "unknown flag": (6, 2),
+        "flag on a full payload": None,
+        "rank 0": (at, bits << 4),
+        "rank 5": (at, (bits << 4) | 5),
+        "bits 3": (at, (3 << 4) | rank),
         "one bit with rank 2": (at, (1 << 4) | 2),
     }
     if bits == 2:
@@ -304,7 +341,9 @@ def test_crafted_sign_models_are_rejected(rng) -> None:
             codec.decode(old, bytes(payload[:cut]), "BF16", old.size)
     # the flag on a payload whose rows are not whole words is refused, whatever follows
     old500, new500 = _weights(rng, "BF16", (64, 500), 0.15, sign_rank=1, agree=0.95)
-    raw = bytearray(codec.encode_tensor_delta(old500, new500, "BF16", codec.CodecConfig(dense_fraction=2.0), shape=(64, 500)))
+    raw = bytearray(
+        codec.encode_tensor_delta(old500, new500, "BF16", codec.CodecConfig(dense_fraction=2.0), shape=(64, 500))
+    )
     assert raw[6] == 0
     raw[6] = 1
     with pytest.raises(CorruptDataError, match="sign model"):
@@ -321,7 +360,9 @@ def test_damaged_flip_streams_are_caught(rng) -> None:
         bad = bytearray(payload)
         bad[i] ^= 0x10
         try:
-            verdicts.add("other bytes" if not np.array_equal(codec.decode(old, bytes(bad), "BF16", old.size), good) else "same")
+            verdicts.add(
+                "other bytes" if not np.array_equal(codec.decode(old, bytes(bad), "BF16", old.size), good) else "same"
+            )
         except CorruptDataError:
             verdicts.add("rejected")
     assert "rejected" in verdicts and "same" not in verdicts
@@ -346,7 +387,9 @@ def test_decoding_on_threads_matches_serial(rng) -> None:
     cases = [_weights(rng, "BF16", (64, 512), frac) for frac in (0.01, 0.05, 0.2, 0.01)]
     payloads = [codec.encode_tensor_delta(a, b, "BF16", shape=(64, 512)) for a, b in cases]
     with ThreadPoolExecutor(4) as pool:
-        outs = list(pool.map(lambda i: codec.decode(cases[i][0], payloads[i], "BF16", cases[i][0].size), [0, 1, 2, 3] * 5))
+        outs = list(
+            pool.map(lambda i: codec.decode(cases[i][0], payloads[i], "BF16", cases[i][0].size), [0, 1, 2, 3] * 5)
+        )
     for i, out in enumerate(outs):
         assert np.array_equal(out, cases[i % 4][1])
 
@@ -524,7 +567,9 @@ def _golomb1(*values: int) -> tuple[bytes, int]:
     for x in values:
         if x >= wire.QMAX:
             length = x.bit_length()
-            bits += [0] * wire.QMAX + [1] + [(length >> i) & 1 for i in range(6)] + [(x >> i) & 1 for i in range(length)]
+            bits += (
+                [0] * wire.QMAX + [1] + [(length >> i) & 1 for i in range(6)] + [(x >> i) & 1 for i in range(length)]
+            )
         else:
             bits += [0] * x + [1]
     data = bytes(sum(b << i for i, b in enumerate(bits[k : k + 8])) for k in range(0, len(bits), 8))
@@ -535,8 +580,17 @@ def _ulp(n: int, body: bytes, width: int = 2) -> bytes:
     return b"DSC2" + bytes([v2.METHOD_ULP, width, 0]) + _v(n) + body
 
 
-def _one_class(n_changed: int, n_events: int, m: int = 1, cflags: int = 0, extra: bytes = b"", bits: bytes = b"",
-               nbits: int | None = None, signs: bytes = b"", rans: bytes = b"") -> bytes:
+def _one_class(
+    n_changed: int,
+    n_events: int,
+    m: int = 1,
+    cflags: int = 0,
+    extra: bytes = b"",
+    bits: bytes = b"",
+    nbits: int | None = None,
+    signs: bytes = b"",
+    rans: bytes = b"",
+) -> bytes:
     """A ULP body with no row flags and one class covering every exponent."""
     record = _v(0) + _v(255) + bytes([cflags]) + _v(n_events) + (_v(n_changed) if cflags & 1 else b"") + _v(m) + extra
     nbits = 8 * len(bits) if nbits is None else nbits
@@ -582,7 +636,9 @@ def test_v2_values_that_leave_the_float_range_are_rejected() -> None:
     """A step that would carry an element's key out of range (past +NaN) is an error, not a wrap."""
     old = np.array([0x7FFF, 0x3F80], np.uint16)  # the largest key, and 1.0
     new = np.array([0x7FFE, 0x3F81], np.uint16)
-    payload = bytearray(codec.encode_tensor_delta(old.view(np.uint8), new.view(np.uint8), "BF16", codec.CodecConfig(dense_fraction=2.0)))
+    payload = bytearray(
+        codec.encode_tensor_delta(old.view(np.uint8), new.view(np.uint8), "BF16", codec.CodecConfig(dense_fraction=2.0))
+    )
     assert np.array_equal(codec.decode(old.view(np.uint8), bytes(payload), "BF16", 4), new.view(np.uint8))
     signs_at = len(payload) - 2  # ... | sign byte | rans_len 0
     assert payload[-1] == 0
@@ -647,8 +703,9 @@ def test_header_layout_is_stable() -> None:
     assert full[:24] == b"DSC1" + bytes([v1.METHOD_FULL, v1.TRANSFORM_NONE, 2, 2]) + struct.pack("<QQ", 3, 3)
     # v2: magic, method, width, flags, then n as a LEB128 varint (300 -> 0xAC 0x02)
     assert wire.header(v2.METHOD_ULP, 2, 300, v2.FLAG_SIGN_MODEL) == b"DSC2\x01\x02\x01\xac\x02"
-    payload = codec.encode_tensor_delta(np.zeros(4, np.uint8), np.array([0, 0, 1, 0], np.uint8), "BF16",
-                                        codec.CodecConfig(dense_fraction=2.0))
+    payload = codec.encode_tensor_delta(
+        np.zeros(4, np.uint8), np.array([0, 0, 1, 0], np.uint8), "BF16", codec.CodecConfig(dense_fraction=2.0)
+    )
     assert payload[:7] == b"DSC2" + bytes([v2.METHOD_ULP, 2, 0])
     assert codec.payload_version(payload) == 2 and codec.LATEST_VERSION == 2
 
@@ -675,19 +732,38 @@ def test_codec_arguments_that_are_not_raw_tensor_bytes_are_config_errors() -> No
 def _spec_cases() -> list[tuple[np.ndarray, bytes, str]]:
     rng = np.random.default_rng(21)
     cases = []
-    for dtype, shape, frac, max_step, rows in (("BF16", (8, 256), 0.05, 1, 0.5), ("BF16", (6, 300), 0.5, 3, 0.0),
-                                               ("BF16", (4, 512), 0.2, 5000, 0.5), ("F16", (5, 260), 0.1, 40, 0.3),
-                                               ("F32", (3, 400), 0.08, 100000, 0.0), ("BF16", (1,), 1.0, 1, 0.0)):
+    for dtype, shape, frac, max_step, rows in (
+        ("BF16", (8, 256), 0.05, 1, 0.5),
+        ("BF16", (6, 300), 0.5, 3, 0.0),
+        ("BF16", (4, 512), 0.2, 5000, 0.5),
+        ("F16", (5, 260), 0.1, 40, 0.3),
+        ("F32", (3, 400), 0.08, 100000, 0.0),
+        ("BF16", (1,), 1.0, 1, 0.0),
+    ):
         old, new = _weights(rng, dtype, shape, frac, dead_rows=rows, max_step=max_step)
-        cases.append((old, codec.encode_tensor_delta(old, new, dtype, codec.CodecConfig(dense_fraction=2.0), shape=shape), dtype))
+        cases.append(
+            (old, codec.encode_tensor_delta(old, new, dtype, codec.CodecConfig(dense_fraction=2.0), shape=shape), dtype)
+        )
     for dtype, shape, rank in (("BF16", (32, 256), 1), ("F32", (16, 384), 2)):  # predicted signs
         old, new = _weights(rng, dtype, shape, 3.0, max_step=2, sign_rank=rank, agree=0.9)
-        cases.append((old, codec.encode_tensor_delta(old, new, dtype, codec.CodecConfig(dense_fraction=2.0), shape=shape), dtype))
+        cases.append(
+            (old, codec.encode_tensor_delta(old, new, dtype, codec.CodecConfig(dense_fraction=2.0), shape=shape), dtype)
+        )
         assert cases[-1][1][6] == 1
     for dtype in ("BF16", "F16", "F32"):
         vals = _special(dtype)
-        cases.append((vals.view(np.uint8).copy(), codec.encode_tensor_delta(vals.view(np.uint8), np.roll(vals, 5).view(np.uint8).copy(),
-                                                                            dtype, codec.CodecConfig(dense_fraction=2.0)), dtype))
+        cases.append(
+            (
+                vals.view(np.uint8).copy(),
+                codec.encode_tensor_delta(
+                    vals.view(np.uint8),
+                    np.roll(vals, 5).view(np.uint8).copy(),
+                    dtype,
+                    codec.CodecConfig(dense_fraction=2.0),
+                ),
+                dtype,
+            )
+        )
     old, new = _pair(rng, "I16", 500, 0.1, small=False)
     cases.append((old, codec.encode_tensor_delta(old, new, "I16"), "I16"))
     cases.append((old, codec.encode_full(new, "BF16"), "BF16"))

@@ -28,9 +28,27 @@ def report(tmp_path_factory) -> tuple[dict, str]:
     tmp = tmp_path_factory.mktemp("codec-bench")
     out = tmp / "report.json"
     env = {**os.environ, "DELTA_SWAP_CACHE": str(tmp / "cache")}
-    run = subprocess.run([sys.executable, "-m", "benchmarks.codec_bench", "--corpus", "smoke", "--steps", "2",
-                          "--repeats", "1", "--threads", "--json", str(out)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.codec_bench",
+            "--corpus",
+            "smoke",
+            "--steps",
+            "2",
+            "--repeats",
+            "1",
+            "--threads",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(out.read_text()), run.stdout
 
@@ -101,7 +119,7 @@ def test_the_context_study_groups_rows_only_where_it_pays() -> None:
     by_column = np.tile(np.where(np.arange(shape[1]) % 2 == 0, 0.3, 0.01), shape[0])
     mixed = rng.random(exp.size) < by_column
     group, g, side = context_entropy._row_groups(exp, mixed, shape, axis=0)
-    assert g > 1 and side == shape[1] * np.log2(g) and np.array_equal(group[:shape[1]], group[shape[1]:2 * shape[1]])
+    assert g > 1 and side == shape[1] * np.log2(g) and np.array_equal(group[: shape[1]], group[shape[1] : 2 * shape[1]])
     assert context_entropy._row_groups(exp, mixed, shape)[1] == 1
 
 

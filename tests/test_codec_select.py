@@ -43,8 +43,9 @@ CASES = {  # shape, fraction changed, rows that never change, largest step, rank
 def test_select_apply_rebuilds_what_the_walk_rebuilds(case: str, rng, monkeypatch) -> None:
     shape, frac, dead, step, *rank = CASES[case]
     monkeypatch.setattr(v2.decoder, "_POOL", [])  # fresh scratch: the large case grows its buffer
-    old, new = _weights(rng, "BF16", shape, frac, dead_rows=dead, max_step=step, sign_rank=rank[0] if rank else 0,
-                        agree=0.9)
+    old, new = _weights(
+        rng, "BF16", shape, frac, dead_rows=dead, max_step=step, sign_rank=rank[0] if rank else 0, agree=0.9
+    )
     payload = codec.encode_tensor_delta(old, new, "BF16", codec.CodecConfig(), shape=shape)
     assert payload[4] == v2.METHOD_ULP  # coded as ULP steps, not a full or XOR payload
     assert payload[6] == (v2.FLAG_SIGN_MODEL if rank else 0)
@@ -57,8 +58,16 @@ def test_select_apply_rebuilds_what_the_walk_rebuilds(case: str, rng, monkeypatc
 @pytest.mark.parametrize("signs", ["raw", "predicted"])
 def test_damaged_payloads_get_the_same_verdict_from_both(rng, monkeypatch, signs: str) -> None:
     shape = (40, 500) if signs == "raw" else (64, 512)
-    old, new = _weights(rng, "BF16", shape, 0.05 if signs == "raw" else 0.4, dead_rows=0.3, max_step=20,
-                        sign_rank=0 if signs == "raw" else 1, agree=0.9)
+    old, new = _weights(
+        rng,
+        "BF16",
+        shape,
+        0.05 if signs == "raw" else 0.4,
+        dead_rows=0.3,
+        max_step=20,
+        sign_rank=0 if signs == "raw" else 1,
+        agree=0.9,
+    )
     payload = codec.encode_tensor_delta(old, new, "BF16", codec.CodecConfig(), shape=shape)
     assert payload[6] == (0 if signs == "raw" else v2.FLAG_SIGN_MODEL)
     rejected = accepted = 0
@@ -83,8 +92,9 @@ def test_the_walk_still_serves_other_dtypes_and_hosts(rng, monkeypatch) -> None:
     monkeypatch.setattr(select_apply, "AVAILABLE", True)
     monkeypatch.setattr(select_apply, "apply_bf16", lambda *a: calls.append(a) or -12)
     old, new = _weights(rng, "F16", (20, 300), 0.05)
-    assert np.array_equal(codec.decode(old, codec.encode_tensor_delta(old, new, "F16", codec.CodecConfig()), "F16",
-                                       old.size), new)
+    assert np.array_equal(
+        codec.decode(old, codec.encode_tensor_delta(old, new, "F16", codec.CodecConfig()), "F16", old.size), new
+    )
     assert not calls
     old, new = _weights(rng, "BF16", (20, 300), 0.05)
     payload = codec.encode_tensor_delta(old, new, "BF16", codec.CodecConfig())

@@ -7,16 +7,39 @@ import delta_swap
 EXPECTED = {
     "__version__",
     # trainer side
-    "Publisher", "PublisherConfig",
+    "Publisher",
+    "PublisherConfig",
     # rollout side
-    "Settings", "DrainPolicy", "Subscriber", "EngineAdapter", "WeightUpdate", "ServedModel", "apply_update",
+    "Settings",
+    "DrainPolicy",
+    "Subscriber",
+    "EngineAdapter",
+    "WeightUpdate",
+    "ServedModel",
+    "apply_update",
     "RecordingAdapter",
     # format and stores
-    "Manifest", "SnapshotKind", "Encoding", "Store", "open_store", "register_backend",
+    "Manifest",
+    "SnapshotKind",
+    "Encoding",
+    "Store",
+    "open_store",
+    "register_backend",
     # errors
-    "DeltaSwapError", "ConfigError", "CorruptDataError", "ChecksumMismatchError", "FormatVersionError",
-    "ChainError", "IncompatibleSnapshotError", "StoreError", "NotFoundError", "TransientError", "PublishError",
-    "EngineError", "EngineStateUnknownError", "SignatureError",
+    "DeltaSwapError",
+    "ConfigError",
+    "CorruptDataError",
+    "ChecksumMismatchError",
+    "FormatVersionError",
+    "ChainError",
+    "IncompatibleSnapshotError",
+    "StoreError",
+    "NotFoundError",
+    "TransientError",
+    "PublishError",
+    "EngineError",
+    "EngineStateUnknownError",
+    "SignatureError",
 }
 
 
@@ -42,7 +65,9 @@ def test_importing_the_package_does_not_import_prometheus_or_fastapi() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, delta_swap, delta_swap.settings\n"
-            "print(sorted(m for m in ('prometheus_client', 'fastapi', 'torch') if m in sys.modules))")
+    code = (
+        "import sys, delta_swap, delta_swap.settings\n"
+        "print(sorted(m for m in ('prometheus_client', 'fastapi', 'torch') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout

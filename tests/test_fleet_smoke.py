@@ -16,15 +16,26 @@ import pytest
 
 from benchmarks import fleet
 
-pytestmark = [pytest.mark.engine,
-              pytest.mark.skipif(shutil.which("nginx") is None,
-                                 reason="nginx is missing (scripts/test.sh installs it with apt)")]
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx is missing (scripts/test.sh installs it with apt)"),
+]
 
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory) -> list[dict]:
-    cfg = fleet.Config(size="3M", regions=1, servers=2, mbit=32, every=4.0, steps=3, sglang_regions=0,
-                       settle_s=60, load_tokens=8, load_gap_s=0.2)
+    cfg = fleet.Config(
+        size="3M",
+        regions=1,
+        servers=2,
+        mbit=32,
+        every=4.0,
+        steps=3,
+        sglang_regions=0,
+        settle_s=60,
+        load_tokens=8,
+        load_gap_s=0.2,
+    )
     return fleet.run(cfg, tmp_path_factory.mktemp("fleet"), out=None)
 
 

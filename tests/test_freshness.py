@@ -72,7 +72,9 @@ def _rank_publishers(url: str, key: str) -> list[Publisher]:
 
 
 @pytest.mark.parametrize("planted", ["unsigned", "another step's signed part", "signed by another key"])
-async def test_a_planted_rank_part_is_never_committed_and_the_real_one_still_is(tmp_path, keys, caplog, planted) -> None:
+async def test_a_planted_rank_part_is_never_committed_and_the_real_one_still_is(
+    tmp_path, keys, caplog, planted
+) -> None:
     store = tmp_path / "store"
     steps = rl_steps(2)
     names = sorted(steps[0])
@@ -82,8 +84,14 @@ async def test_a_planted_rank_part_is_never_committed_and_the_real_one_still_is(
         pub.publish(0, {n: steps[0][n] for n in mine[rank]})
         pub.flush()
     # The attacker's part for rank 1 of step 1, before rank 1 gets there.
-    old_part, old_sig = (store / store_keys.part_key("step-0000000000", 1)), (store / store_keys.part_signature_key("step-0000000000", 1))
-    part, sig = store / store_keys.part_key("step-0000000001", 1), store / store_keys.part_signature_key("step-0000000001", 1)
+    old_part, old_sig = (
+        (store / store_keys.part_key("step-0000000000", 1)),
+        (store / store_keys.part_signature_key("step-0000000000", 1)),
+    )
+    part, sig = (
+        store / store_keys.part_key("step-0000000001", 1),
+        store / store_keys.part_signature_key("step-0000000001", 1),
+    )
     part.parent.mkdir(parents=True)
     forged = json.loads(old_part.read_text())
     if planted == "another step's signed part":
@@ -268,7 +276,9 @@ async def test_a_frozen_head_shows_as_staleness_through_the_heartbeat(tmp_path, 
 def test_the_trainer_beats_while_it_publishes_nothing(tmp_path, keys) -> None:
     store = tmp_path / "store"
     trusted = _trusted(keys["trainer"])
-    with Publisher(str(store), PublisherConfig(signing_key=keys["trainer"], heartbeat_every=0.2, heartbeat_ttl=5)) as pub:
+    with Publisher(
+        str(store), PublisherConfig(signing_key=keys["trainer"], heartbeat_every=0.2, heartbeat_ttl=5)
+    ) as pub:
         pub.publish(7, rl_steps(1)[0])
         pub.flush()
         first = Heartbeat.decode((store / store_keys.HEARTBEAT_KEY).read_bytes(), trusted)
@@ -304,7 +314,9 @@ async def _plant(url: str, case: str) -> None:
             doc = json.loads(await store.get(store_keys.manifest_key("step-0000000001")))
             doc.update(snapshot_id="step-0000900000", step=900000)
             await store.put(store_keys.manifest_key("step-0000900000"), json.dumps(doc).encode())
-            await store.put(store_keys.HEAD_KEY, json.dumps({"snapshot_id": "step-0000900000", "step": 900000}).encode())
+            await store.put(
+                store_keys.HEAD_KEY, json.dumps({"snapshot_id": "step-0000900000", "step": 900000}).encode()
+            )
         elif case == "oversized HEAD":
             await store.put(store_keys.HEAD_KEY, b'{"snapshot_id": "step-0000000001", "step": 1}' + b" " * 8192)
         else:  # junk manifests where the key holder's next two steps go
@@ -428,6 +440,10 @@ def test_the_heartbeat_is_bounded_and_checked(keys) -> None:
         Heartbeat.decode(signed, _trusted(keys["next"]))
     with pytest.raises(SignatureError, match="does not match"):
         Heartbeat.decode(signed.replace(b'\\"step\\": 3', b'\\"step\\": 9'), _trusted(keys["trainer"]))
-    for bad in (b"{}", b" " * 5000, b'{"format": "delta-swap-heartbeat", "body": "{\\"step\\": NaN}", "signature": null}'):
+    for bad in (
+        b"{}",
+        b" " * 5000,
+        b'{"format": "delta-swap-heartbeat", "body": "{\\"step\\": NaN}", "signature": null}',
+    ):
         with pytest.raises(CorruptDataError):
             Heartbeat.decode(bad, None)

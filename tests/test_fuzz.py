@@ -59,11 +59,37 @@ def test_manifest_parser_on_random_bytes(data) -> None:
 
 
 @FUZZ
-@given(path=st.lists(st.sampled_from(["tensors", "shards", "files", 0, 1, "name", "shape", "offset", "length",
-                                      "encoding", "checksum", "sha256", "size", "dtype", "step", "kind",
-                                      "prev_snapshot_id", "metadata", "created_at", "format_version"]),
-                     min_size=1, max_size=4),
-       value=json_values)
+@given(
+    path=st.lists(
+        st.sampled_from(
+            [
+                "tensors",
+                "shards",
+                "files",
+                0,
+                1,
+                "name",
+                "shape",
+                "offset",
+                "length",
+                "encoding",
+                "checksum",
+                "sha256",
+                "size",
+                "dtype",
+                "step",
+                "kind",
+                "prev_snapshot_id",
+                "metadata",
+                "created_at",
+                "format_version",
+            ]
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    value=json_values,
+)
 def test_manifest_parser_on_mutated_manifests(manifest_doc, path, value) -> None:
     doc = json.loads(json.dumps(manifest_doc))
     node = doc
@@ -124,8 +150,12 @@ def payloads() -> list[tuple[np.ndarray, bytes, str]]:
 
 
 @FUZZ
-@given(which=st.integers(0, 8), flips=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 7)), max_size=6),
-       cut=st.integers(0, 10**6), tail=st.binary(max_size=8))
+@given(
+    which=st.integers(0, 8),
+    flips=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 7)), max_size=6),
+    cut=st.integers(0, 10**6),
+    tail=st.binary(max_size=8),
+)
 def test_codec_decoder_on_mutated_payloads(payloads, which, flips, cut, tail) -> None:
     old, payload, dtype = payloads[which]
     data = bytearray(payload)
@@ -156,8 +186,12 @@ def v2_payloads() -> list[tuple[np.ndarray, bytes, str]]:
 
     rng = np.random.default_rng(11)
     out = []
-    for dtype, shape, frac, max_step in (("BF16", (32, 512), 0.03, 1), ("BF16", (16, 512), 0.4, 3000),
-                                         ("F16", (8, 300), 0.1, 40), ("F32", (4, 700), 0.05, 100000)):
+    for dtype, shape, frac, max_step in (
+        ("BF16", (32, 512), 0.03, 1),
+        ("BF16", (16, 512), 0.4, 3000),
+        ("F16", (8, 300), 0.1, 40),
+        ("F32", (4, 700), 0.05, 100000),
+    ):
         tdtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[dtype]
         udtype = {2: np.uint16, 4: np.uint32}[torch.tensor([], dtype=tdtype).element_size()]
         w = (torch.randn(shape, generator=torch.Generator().manual_seed(len(out))) * 0.02).to(tdtype)
@@ -167,7 +201,9 @@ def v2_payloads() -> list[tuple[np.ndarray, bytes, str]]:
         idx = np.flatnonzero((rng.random(old.size) < frac) & rows)
         new[idx] = (old[idx].astype(np.int64) + rng.integers(1, max_step + 1, idx.size)).astype(udtype)  # stays finite
         a, b = old.view(np.uint8), new.view(np.uint8)
-        out.append((a, codec.encode_tensor_delta(a, b, dtype, codec.CodecConfig(dense_fraction=2.0), shape=shape), dtype))
+        out.append(
+            (a, codec.encode_tensor_delta(a, b, dtype, codec.CodecConfig(dense_fraction=2.0), shape=shape), dtype)
+        )
     a = rng.integers(0, 256, 3000, dtype=np.uint8)
     b = a.copy()
     b[::17] ^= 5
@@ -176,7 +212,9 @@ def v2_payloads() -> list[tuple[np.ndarray, bytes, str]]:
     from tests.test_codec import _weights
 
     a, b = _weights(rng, "BF16", (64, 512), 0.4, max_step=3, sign_rank=2, agree=0.9)
-    out.append((a, codec.encode_tensor_delta(a, b, "BF16", codec.CodecConfig(dense_fraction=2.0), shape=(64, 512)), "BF16"))
+    out.append(
+        (a, codec.encode_tensor_delta(a, b, "BF16", codec.CodecConfig(dense_fraction=2.0), shape=(64, 512)), "BF16")
+    )
     assert out[-1][1][6] == v2.FLAG_SIGN_MODEL
     assert all(p[:4] == b"DSC2" for _, p, _ in out)
     return out
@@ -187,9 +225,14 @@ _RSS_SLACK_KIB = 64 * 1024  # the declared tensors are a few KiB: any count-driv
 
 
 @settings(max_examples=1500, deadline=timedelta(seconds=5), suppress_health_check=[HealthCheck.too_slow])
-@given(which=st.integers(0, 6),
-       flips=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 7), st.booleans()), max_size=6),
-       cut=st.integers(0, 10**6), splice=st.binary(max_size=16), at=st.integers(0, 10**6), in_place=st.booleans())
+@given(
+    which=st.integers(0, 6),
+    flips=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 7), st.booleans()), max_size=6),
+    cut=st.integers(0, 10**6),
+    splice=st.binary(max_size=16),
+    at=st.integers(0, 10**6),
+    in_place=st.booleans(),
+)
 def test_v2_decoder_on_mutated_payloads(v2_payloads, which, flips, cut, splice, at, in_place) -> None:
     """Bounded fuzz of the v2 decoder (1500 payloads, a few seconds): bit flips (half of them in
     the header and class records), truncation and spliced bytes give CorruptDataError or a
@@ -203,7 +246,7 @@ def test_v2_decoder_on_mutated_payloads(v2_payloads, which, flips, cut, splice, 
         data[pos % (min(len(data), 48) if head else len(data))] ^= 1 << bit
     if splice:
         i = at % (len(data) + 1)
-        data[i:i + len(splice) // 2] = splice
+        data[i : i + len(splice) // 2] = splice
     data = data[: max(0, len(data) - cut % 16)]
     try:
         if in_place:
@@ -219,8 +262,13 @@ def test_v2_decoder_on_mutated_payloads(v2_payloads, which, flips, cut, splice, 
 
 
 @settings(max_examples=300, deadline=timedelta(seconds=5), suppress_health_check=[HealthCheck.too_slow])
-@given(body=st.binary(max_size=400), method=st.integers(0, 3), n=st.integers(0, 2**20), nbytes=st.integers(0, 2**20),
-       flags=st.sampled_from([0, v2.FLAG_SIGN_MODEL]))
+@given(
+    body=st.binary(max_size=400),
+    method=st.integers(0, 3),
+    n=st.integers(0, 2**20),
+    nbytes=st.integers(0, 2**20),
+    flags=st.sampled_from([0, v2.FLAG_SIGN_MODEL]),
+)
 def test_v2_decoder_on_random_bodies(v2_payloads, body, method, n, nbytes, flags) -> None:
     """A valid v2 header (with or without predicted signs) followed by garbage, with any element
     count and expected size (the fixture has compiled the kernels, so the deadline only measures

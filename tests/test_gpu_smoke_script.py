@@ -24,8 +24,13 @@ def _run_with_fake_nvidia_smi(tmp_path: Path, body: str) -> subprocess.Completed
     fake = bin_dir / "nvidia-smi"
     fake.write_text("#!/bin/sh\n" + body)
     fake.chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "DELTA_SWAP_CACHE": str(tmp_path / "cache"),
-           "OUT": str(tmp_path / "out"), "PYTHON": "false"}  # past the checks it would fail at once, not install
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "DELTA_SWAP_CACHE": str(tmp_path / "cache"),
+        "OUT": str(tmp_path / "out"),
+        "PYTHON": "false",
+    }  # past the checks it would fail at once, not install
     return subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=60, check=False)
 
 
@@ -37,8 +42,11 @@ def test_without_a_gpu_it_says_so_and_measures_nothing(tmp_path) -> None:
 
 
 def test_with_a_driver_too_old_for_the_wheels_it_says_so(tmp_path) -> None:
-    r = _run_with_fake_nvidia_smi(tmp_path, 'if [ "$1" = -L ]; then echo "GPU 0: NVIDIA H200 (UUID: GPU-0)"; '
-                                            'else echo "| Driver Version: 550.1   CUDA Version: 12.4 |"; fi\n')
+    r = _run_with_fake_nvidia_smi(
+        tmp_path,
+        'if [ "$1" = -L ]; then echo "GPU 0: NVIDIA H200 (UUID: GPU-0)"; '
+        'else echo "| Driver Version: 550.1   CUDA Version: 12.4 |"; fi\n',
+    )
     assert r.returncode == 0, r.stderr
     assert "SKIPPED: the driver supports CUDA 12" in r.stdout and "nothing was measured" in r.stdout
     assert not (tmp_path / "cache").exists()

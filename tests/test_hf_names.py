@@ -19,13 +19,23 @@ transformers = pytest.importorskip("transformers")
 
 
 def _tiny(kind: str):
-    shape = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16)
+    shape = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
     torch.manual_seed(0)
     if kind == "tied":
         return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**shape, tie_word_embeddings=True))
-    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-        **shape, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, tie_word_embeddings=False))
+    return transformers.Qwen3MoeForCausalLM(
+        transformers.Qwen3MoeConfig(
+            **shape, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, tie_word_embeddings=False
+        )
+    )
 
 
 @pytest.mark.parametrize("kind", ["tied", "moe"])

@@ -59,7 +59,9 @@ def _walk(root, key: str, target: str | None = None, current: str | None = None)
     return asyncio.run(run()), store
 
 
-@pytest.mark.parametrize("steps", [list(range(40)), list(range(0, 400, 10)), [0, 1, 2, 5, 6, 13, 20, 21, 22, 40, 41, 60]])
+@pytest.mark.parametrize(
+    "steps", [list(range(40)), list(range(0, 400, 10)), [0, 1, 2, 5, 6, 13, 20, 21, 22, 40, 41, 60]]
+)
 def test_chain_walk_reads_each_manifest_once_and_stops_at_the_nearest_base(tmp_path, key, steps):
     """Whatever the spacing of the steps, a cold walk reads every manifest from the head back to
     the nearest base exactly once (with its signature), and nothing below that base."""
@@ -193,14 +195,17 @@ def test_a_pull_killed_between_its_renames_is_finished_by_the_next_one(tmp_path,
     root, out = tmp_path / "store", tmp_path / "out"
     _publish(root, list(range(3)), key, bases=(0,))
     pull = ["pull", "--store", str(root), "--out", str(out), "--trusted-key", f"{key}.pub", "--quiet"]
-    assert subprocess.run([sys.executable, "-m", "delta_swap.cli", *pull, "--snapshot", "step-0000000001"]).returncode == 0
+    assert (
+        subprocess.run([sys.executable, "-m", "delta_swap.cli", *pull, "--snapshot", "step-0000000001"]).returncode == 0
+    )
     killed = subprocess.run([sys.executable, "-c", _KILLED_BETWEEN_RENAMES, *pull])
     assert killed.returncode == -9
     assert not out.exists()
     leftovers = sorted(p.name.rsplit(".", 1)[-1] for p in tmp_path.glob(".out.pulling-*"))
     assert len(leftovers) == 2 and leftovers[0] == "old", leftovers
-    older = subprocess.run([sys.executable, "-m", "delta_swap.cli", *pull, "--snapshot", "step-0000000000"],
-                           capture_output=True, text=True)
+    older = subprocess.run(
+        [sys.executable, "-m", "delta_swap.cli", *pull, "--snapshot", "step-0000000000"], capture_output=True, text=True
+    )
     assert older.returncode == 1 and "older" in older.stderr, older.stderr
     assert json.loads((out / PULL_MARKER).read_text())["snapshot_id"] == "step-0000000002"
     assert (out / "model.safetensors").is_file()

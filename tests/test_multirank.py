@@ -19,8 +19,11 @@ def _rank_main(store_dir: str, rank: int) -> None:
     steps = rl_steps(STEPS, seed=7)
     names = sorted(steps[0])
     mine = names[rank::WORLD]
-    with Publisher(store_dir, PublisherConfig(rank=rank, world_size=WORLD, base_every=4),
-                   files={"config.json": b"{}"} if rank == 0 else None) as pub:
+    with Publisher(
+        store_dir,
+        PublisherConfig(rank=rank, world_size=WORLD, base_every=4),
+        files={"config.json": b"{}"} if rank == 0 else None,
+    ) as pub:
         for i, state in enumerate(steps):
             pub.publish(i, {n: state[n] for n in mine})
 

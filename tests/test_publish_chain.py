@@ -209,8 +209,10 @@ def _edit_manifest(root, snapshot_id, edit) -> None:
 async def test_tampered_manifest_checksum_is_caught(chain) -> None:
     """A consistent-looking shard whose tensor differs from the publisher's checksum."""
     root, ids, _ = chain
+
     def edit(doc):
         doc["tensors"][1]["checksum"] = "xxh3_128:" + "0" * 32
+
     _edit_manifest(root, ids[1], edit)
     with pytest.raises(ChecksumMismatchError):
         await rebuild(FileStore(root), ids[3])
@@ -270,8 +272,10 @@ async def test_base_shards_are_plain_safetensors(chain) -> None:
     manifest = await ChainReader(FileStore(root)).manifest(ids[0])
     raw = (await _shard_path(root, ids[0])).read_bytes()
     for t in manifest.tensors:  # manifest offsets address the tensor bytes directly
-        assert np.array_equal(np.frombuffer(raw[t.offset : t.offset + t.length], np.uint8),
-                              steps[0][t.name].view(torch.uint8).reshape(-1).numpy())
+        assert np.array_equal(
+            np.frombuffer(raw[t.offset : t.offset + t.length], np.uint8),
+            steps[0][t.name].view(torch.uint8).reshape(-1).numpy(),
+        )
 
 
 def test_a_bad_store_url_fails_at_construction() -> None:

@@ -35,8 +35,9 @@ def _cli(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
 
 
 def _publish(root, steps, start=0, **cfg):
-    with Publisher(str(root), PublisherConfig(**{"base_every": 100, **cfg}),
-                   files={"config.json": b'{"model_type": "llama"}'}) as pub:
+    with Publisher(
+        str(root), PublisherConfig(**{"base_every": 100, **cfg}), files={"config.json": b'{"model_type": "llama"}'}
+    ) as pub:
         for i, s in enumerate(steps):
             pub.publish(start + i, s)
 
@@ -55,11 +56,17 @@ def test_pull_writes_only_verified_tensors_and_side_files(tmp_path) -> None:
     sid = "step-0000000000"
     path = store / store_keys.manifest_key(sid)
     doc = json.loads(path.read_text())
-    for name, content in (("model.safetensors.index.json", b'{"weight_map": {}}'), ("pytorch_model.bin", b"pickle"),
-                          ("modeling_evil.py", b"import os"), ("extra.safetensors", b"\0" * 16)):
+    for name, content in (
+        ("model.safetensors.index.json", b'{"weight_map": {}}'),
+        ("pytorch_model.bin", b"pickle"),
+        ("modeling_evil.py", b"import os"),
+        ("extra.safetensors", b"\0" * 16),
+    ):
         (store / store_keys.file_key(sid, name)).parent.mkdir(parents=True, exist_ok=True)
         (store / store_keys.file_key(sid, name)).write_bytes(content)
-        doc["files"].append({"name": name, "size": len(content), "checksum": checksum(content), "sha256": sha256(content)})
+        doc["files"].append(
+            {"name": name, "size": len(content), "checksum": checksum(content), "sha256": sha256(content)}
+        )
     path.write_text(json.dumps(doc))
     out = tmp_path / "out"
     proc = _cli("pull", "--store", str(store), "--out", str(out), "--quiet")

@@ -15,8 +15,18 @@ def test_reward_rises_while_the_server_swaps_every_step(tmp_path) -> None:
     from examples.rl_loop import main
 
     steps, bound = 14, 1
-    logs = main(["--steps", str(steps), "--max-staleness", str(bound), "--workdir", str(tmp_path),
-                 "--plot", str(tmp_path / "rl.png")])
+    logs = main(
+        [
+            "--steps",
+            str(steps),
+            "--max-staleness",
+            str(bound),
+            "--workdir",
+            str(tmp_path),
+            "--plot",
+            str(tmp_path / "rl.png"),
+        ]
+    )
     assert [log.step for log in logs] == list(range(1, steps + 1))
     first = statistics.fmean(log.reward for log in logs[:4])
     last = statistics.fmean(log.reward for log in logs[-4:])

@@ -13,18 +13,32 @@ from delta_swap.settings import DrainPolicy, Settings, field_docs
 
 
 def test_flags_then_environment_then_defaults() -> None:
-    env = {"DELTA_SWAP_STORE": "s3://b/p", "DELTA_SWAP_DRAIN": "keep", "DELTA_SWAP_POLL_INTERVAL": "0.5",
-           "DELTA_SWAP_FETCH_CONCURRENCY": "9", "DELTA_SWAP_REPLAY_COST_RATIO": "2.5"}
+    env = {
+        "DELTA_SWAP_STORE": "s3://b/p",
+        "DELTA_SWAP_DRAIN": "keep",
+        "DELTA_SWAP_POLL_INTERVAL": "0.5",
+        "DELTA_SWAP_FETCH_CONCURRENCY": "9",
+        "DELTA_SWAP_REPLAY_COST_RATIO": "2.5",
+    }
     settings = Settings.load({"delta_swap_drain": "abort", "delta_swap_drain_timeout": None}, env)
-    assert settings == Settings(store="s3://b/p", poll_interval=0.5, drain=DrainPolicy.ABORT, drain_timeout=30.0,
-                                fetch_concurrency=9, replay_cost_ratio=2.5)
+    assert settings == Settings(
+        store="s3://b/p",
+        poll_interval=0.5,
+        drain=DrainPolicy.ABORT,
+        drain_timeout=30.0,
+        fetch_concurrency=9,
+        replay_cost_ratio=2.5,
+    )
     assert Settings.load(None, {"DELTA_SWAP_RECOMPUTE_KV": "yes"}).recompute_kv is True
     assert Settings.load(None, {}) == Settings()
 
 
 def test_repr_shows_no_secret() -> None:
-    env = {"DELTA_SWAP_STORE": "https://reader:pw-Zq81xK@cdn.example.com/run", "DELTA_SWAP_ADMIN_TOKEN": "tok-Hj27Lm",
-           "DELTA_SWAP_ADMIN_OPEN_LOOPBACK": "1"}
+    env = {
+        "DELTA_SWAP_STORE": "https://reader:pw-Zq81xK@cdn.example.com/run",
+        "DELTA_SWAP_ADMIN_TOKEN": "tok-Hj27Lm",
+        "DELTA_SWAP_ADMIN_OPEN_LOOPBACK": "1",
+    }
     settings = Settings.load(None, env)
     assert settings.admin_open_loopback is True and settings.admin_token == "tok-Hj27Lm"
     for text in (repr(settings), str(settings), f"{settings}", repr([settings])):
@@ -50,12 +64,20 @@ def test_every_setting_has_a_docstring_a_variable_and_a_flag() -> None:
     for field in dataclasses.fields(Settings):
         assert len(docs.get(field.name, "")) > 20, f"{field.name} has no docstring"
         flag = "--delta-swap-" + field.name.replace("_", "-")
-        assert Settings.flag_name(field.name) == flag and Settings.env_name(field.name) == "DELTA_SWAP_" + field.name.upper()
+        assert (
+            Settings.flag_name(field.name) == flag
+            and Settings.env_name(field.name) == "DELTA_SWAP_" + field.name.upper()
+        )
         assert flag in parser.format_help()
-    args = parser.parse_args(["--delta-swap-source", "file:///s", "--delta-swap-drain", "keep",
-                              "--delta-swap-poll-interval", "0.25"])  # the old spelling of the store flag still works
+    args = parser.parse_args(
+        ["--delta-swap-source", "file:///s", "--delta-swap-drain", "keep", "--delta-swap-poll-interval", "0.25"]
+    )  # the old spelling of the store flag still works
     settings = Settings.load(args, {"DELTA_SWAP_STORE": "/ignored", "DELTA_SWAP_DRAIN_TIMEOUT": "5"})
-    assert (settings.store, settings.drain, settings.poll_interval, settings.drain_timeout) == \
-        ("file:///s", DrainPolicy.KEEP, 0.25, 5.0)
+    assert (settings.store, settings.drain, settings.poll_interval, settings.drain_timeout) == (
+        "file:///s",
+        DrainPolicy.KEEP,
+        0.25,
+        5.0,
+    )
     with pytest.raises(SystemExit):
         parser.parse_args(["--delta-swap-drain", "sometimes"])

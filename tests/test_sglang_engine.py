@@ -42,9 +42,16 @@ from tests.support.rollout_scenarios import (
 pytestmark = pytest.mark.engine
 
 ROOT = Path(__file__).resolve().parents[1]
-SHIMMED = ("copy_all_layer_kv_cache_cpu", "assign_req_to_token_pool_cpu", "assign_extend_cache_locs_cpu",
-           "assign_draft_cache_locs_contiguous_cpu", "build_tree_kernel_efficient_cpu",
-           "fill_accept_out_cache_loc_cpu", "fill_bonus_tokens_cpu", "verify_tree_greedy_cpu")
+SHIMMED = (
+    "copy_all_layer_kv_cache_cpu",
+    "assign_req_to_token_pool_cpu",
+    "assign_extend_cache_locs_cpu",
+    "assign_draft_cache_locs_contiguous_cpu",
+    "build_tree_kernel_efficient_cpu",
+    "fill_accept_out_cache_loc_cpu",
+    "fill_bonus_tokens_cpu",
+    "verify_tree_greedy_cpu",
+)
 PROMPTS = [
     [5, 17, 99, 230, 41],
     [300, 301, 302, 7, 8, 9, 10],
@@ -62,10 +69,14 @@ LONG = 600
 def sglang_python() -> str:
     """The SGLang environment's interpreter (built once by scripts/sglang_env.sh, then cached)."""
     python = sglang_server.python()
-    probe = ("from importlib.metadata import entry_points\n"
-             "print([e.value for e in entry_points(group='sglang.srt.plugins') if e.name == 'delta_swap'])")
+    probe = (
+        "from importlib.metadata import entry_points\n"
+        "print([e.value for e in entry_points(group='sglang.srt.plugins') if e.name == 'delta_swap'])"
+    )
     registered = subprocess.run([python, "-c", probe], check=True, capture_output=True, text=True).stdout
-    assert "sglang_delta_plugin.plugin:register" in registered, "pyproject.toml lacks the sglang.srt.plugins entry point"
+    assert "sglang_delta_plugin.plugin:register" in registered, (
+        "pyproject.toml lacks the sglang.srt.plugins entry point"
+    )
     return python
 
 
@@ -77,21 +88,28 @@ def shim_log(tmp_path_factory) -> Path:
 
 def generate_raw(url: str, prompt: list[int], max_tokens: int = 12, client: httpx.Client | None = None) -> dict:
     """Greedy generation through SGLang's native route; its outputs tag weight versions."""
-    body = {"input_ids": [int(t) for t in prompt], "return_logprob": True,
-            "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}}
+    body = {
+        "input_ids": [int(t) for t in prompt],
+        "return_logprob": True,
+        "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
+    }
     r = (client or httpx).post(f"{url}/generate", json=body, timeout=300)
     r.raise_for_status()
     return r.json()
 
 
-def generate_streamed(url: str, prompt: list[int], max_tokens: int, started: threading.Event,
-                      barrier: threading.Barrier | None = None) -> dict:
+def generate_streamed(
+    url: str, prompt: list[int], max_tokens: int, started: threading.Event, barrier: threading.Barrier | None = None
+) -> dict:
     """Like generate_raw, streamed: ``started`` is set once the first tokens arrived; returns the
     final chunk (cumulative output ids, meta_info with the weight-version spans). With a
     ``barrier``, the request is sent once every party's client is ready (making a client takes
     up to seconds on a loaded machine: one CI run's first request ended before the others began)."""
-    body = {"input_ids": [int(t) for t in prompt], "stream": True,
-            "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}}
+    body = {
+        "input_ids": [int(t) for t in prompt],
+        "stream": True,
+        "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
+    }
     last: dict = {}
     with httpx.Client(timeout=300) as client:
         if barrier is not None:
@@ -112,8 +130,11 @@ def generate(url: str, prompt: list[int], max_tokens: int = 12, client: httpx.Cl
     meta = out["meta_info"]
     if meta["finish_reason"]["type"] != "length" or len(out["output_ids"]) != max_tokens:
         raise AssertionError(f"request did not complete: {meta['finish_reason']}")
-    return {"token_ids": out["output_ids"], "weight_versions": meta["weight_versions"],
-            "logprobs": [lp for lp, _, _ in meta["output_token_logprobs"]]}
+    return {
+        "token_ids": out["output_ids"],
+        "weight_versions": meta["weight_versions"],
+        "logprobs": [lp for lp, _, _ in meta["output_token_logprobs"]],
+    }
 
 
 def greedy(url: str) -> list[tuple[list[int], list[float]]]:
@@ -148,8 +169,9 @@ def references(models, sglang_python, shim_log, tmp_path_factory) -> dict[str, d
     tmp = tmp_path_factory.mktemp("ref")
     out = {}
     for name in ("A", "B", "D"):
-        server = sglang_server.start(models[name], tmp, plugin=False, served_name="tiny", shim_log=shim_log,
-                                     log_name=f"ref-{name}.log")
+        server = sglang_server.start(
+            models[name], tmp, plugin=False, served_name="tiny", shim_log=shim_log, log_name=f"ref-{name}.log"
+        )
         try:
             out[name] = {"greedy": greedy(server.url), "weights": weight_checksums(server.url)}
         finally:
@@ -171,10 +193,22 @@ def live(models, references, sglang_python, shim_log, creds, tmp_path_factory):
     store = tmp / "store"
     publish_dirs(store, [(0, models["A"])], creds)
     # drain_timeout: the wait-mode test lets 600-token requests finish, also on a busy CI machine.
-    settings = {"store": store.as_uri(), "poll_interval": 0.2, "drain": "wait", "drain_timeout": 180,
-                **creds.settings()}
-    server = sglang_server.start(models["A"], tmp, settings=settings, served_name="tiny", shim_log=shim_log,
-                                 extra=["--enable-metrics"], log_name="live.log")
+    settings = {
+        "store": store.as_uri(),
+        "poll_interval": 0.2,
+        "drain": "wait",
+        "drain_timeout": 180,
+        **creds.settings(),
+    }
+    server = sglang_server.start(
+        models["A"],
+        tmp,
+        settings=settings,
+        served_name="tiny",
+        shim_log=shim_log,
+        extra=["--enable-metrics"],
+        log_name="live.log",
+    )
     try:
         wait_for(server.url, lambda s: s["current_step"] == 0)
         yield server, store
@@ -184,13 +218,30 @@ def live(models, references, sglang_python, shim_log, creds, tmp_path_factory):
 
 
 def test_the_plugin_adds_its_flags_to_sglangs_parser(sglang_python, shim_log) -> None:
-    out = subprocess.run([sglang_python, "-m", "sglang.launch_server", "--help"], check=False, capture_output=True,
-                         text=True, timeout=300, env={**os.environ, **sglang_server.environment(shim_log=shim_log)})
+    out = subprocess.run(
+        [sglang_python, "-m", "sglang.launch_server", "--help"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **sglang_server.environment(shim_log=shim_log)},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
-    for flag in ("--delta-swap-store", "--delta-swap-source", "--delta-swap-poll-interval", "--delta-swap-drain",
-                 "--delta-swap-drain-timeout", "--delta-swap-fetch-concurrency", "--delta-swap-replay-cost-ratio",
-                 "--delta-swap-staging-dir", "--delta-swap-trusted-key", "--delta-swap-admin-token",
-                 "--delta-swap-max-model-bytes", "--delta-swap-max-step-jump", "--delta-swap-recompute-kv"):
+    for flag in (
+        "--delta-swap-store",
+        "--delta-swap-source",
+        "--delta-swap-poll-interval",
+        "--delta-swap-drain",
+        "--delta-swap-drain-timeout",
+        "--delta-swap-fetch-concurrency",
+        "--delta-swap-replay-cost-ratio",
+        "--delta-swap-staging-dir",
+        "--delta-swap-trusted-key",
+        "--delta-swap-admin-token",
+        "--delta-swap-max-model-bytes",
+        "--delta-swap-max-step-jump",
+        "--delta-swap-recompute-kv",
+    ):
         assert flag in out.stdout
 
 
@@ -198,13 +249,24 @@ def test_swaps_are_transactional_against_a_scripted_engine(sglang_python) -> Non
     """Refused loads roll back, misfits never reach SGLang, wait mode aborts after its timeout and
     always releases the lock (tests/support/sglang_adapter_probe.py: the core's apply_update and the
     real adapter with SGLang's real types, no server)."""
-    out = subprocess.run([sglang_python, str(ROOT / "tests" / "support" / "sglang_adapter_probe.py")], check=False,
-                         capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [sglang_python, str(ROOT / "tests" / "support" / "sglang_adapter_probe.py")],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     scenarios = [line[4:] for line in out.stdout.splitlines() if line.startswith("ok: ")]
-    assert scenarios == ["swap", "rollback", "misfit", "wait timeout", "wait gives up on a stuck request",
-                         "wait keeps the lock granted mid-swap", "version only"], out.stdout
+    assert scenarios == [
+        "swap",
+        "rollback",
+        "misfit",
+        "wait timeout",
+        "wait gives up on a stuck request",
+        "wait keeps the lock granted mid-swap",
+        "version only",
+    ], out.stdout
 
 
 @pytest.mark.parametrize("drain", ["keep", "abort"])
@@ -216,9 +278,14 @@ def test_keep_and_abort_drain_modes(drain, models, references, sglang_python, sh
     store = tmp_path / "store"
     publish_dirs(store, [(0, models["A"])], None)  # unsigned: this server trusts no key and has no token
     # No token: the notify below comes from loopback, which the server must be told to allow.
-    server = sglang_server.start(models["A"], tmp_path, served_name="tiny", shim_log=shim_log,
-                                 extra=["--delta-swap-source", store.as_uri(), "--delta-swap-drain", drain],
-                                 env={"DELTA_SWAP_POLL_INTERVAL": "0.2", "DELTA_SWAP_ADMIN_OPEN_LOOPBACK": "1"})
+    server = sglang_server.start(
+        models["A"],
+        tmp_path,
+        served_name="tiny",
+        shim_log=shim_log,
+        extra=["--delta-swap-source", store.as_uri(), "--delta-swap-drain", drain],
+        env={"DELTA_SWAP_POLL_INTERVAL": "0.2", "DELTA_SWAP_ADMIN_OPEN_LOOPBACK": "1"},
+    )
     try:
         st = wait_for(server.url, lambda s: s["current_step"] == 0)
         assert st["drain"] == drain  # from the flag; the poll interval came from the environment
@@ -272,8 +339,9 @@ def test_a_chain_of_deltas_is_applied_in_order(live, models, references, creds) 
     assert greedy(server.url) == references["D"]["greedy"]
 
 
-def test_corrupt_missing_or_out_of_order_deltas_never_reach_the_model(live, models, references, creds,
-                                                                      tmp_path) -> None:
+def test_corrupt_missing_or_out_of_order_deltas_never_reach_the_model(
+    live, models, references, creds, tmp_path
+) -> None:
     server, store = live
 
     def serves_d() -> None:
@@ -283,13 +351,14 @@ def test_corrupt_missing_or_out_of_order_deltas_never_reach_the_model(live, mode
     assert weight_checksums(server.url) == references["D"]["weights"]
 
 
-def test_a_snapshot_that_does_not_fit_the_served_model_never_reaches_it(live, models, references, creds,
-                                                                        tmp_path) -> None:
+def test_a_snapshot_that_does_not_fit_the_served_model_never_reaches_it(
+    live, models, references, creds, tmp_path
+) -> None:
     """Names, shapes and dtypes are checked before SGLang sees a byte (a failed load inside its
     scheduler would end the whole server)."""
     server, store = live
     weights = load_file(str(models["D"] / "model.safetensors"))
-    weights["lm_head.weight"] = weights["lm_head.weight"][:-1].clone()            # wrong shape
+    weights["lm_head.weight"] = weights["lm_head.weight"][:-1].clone()  # wrong shape
     weights["model.layers.0.self_attn.q_proj.bias"] = torch.zeros(128, dtype=torch.bfloat16)  # unknown name
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -316,8 +385,9 @@ def test_resync_reloads_the_base_and_replays_the_chain(live, references, creds) 
     assert greedy(server.url) == references["D"]["greedy"]
 
 
-def _swap_during_requests(url: str, store: Path, step: int, model: Path, creds: Credentials | None, *, n: int = 3,
-                          tokens: int = LONG):
+def _swap_during_requests(
+    url: str, store: Path, step: int, model: Path, creds: Credentials | None, *, n: int = 3, tokens: int = LONG
+):
     """Start ``n`` long requests, publish ``step`` once each has produced tokens, return their final
     outputs."""
     # A fresh environment JIT-compiles the codec's kernels at start (~15 s of a core): wait for the
@@ -330,8 +400,9 @@ def _swap_during_requests(url: str, store: Path, step: int, model: Path, creds: 
     with ThreadPoolExecutor(n) as pool:
         # Prompts sharing no prefix with PROMPTS: KV that the radix cache keeps from these long runs
         # was computed in other batch shapes, which moves this chaotic tiny model's logits a little.
-        futures = [pool.submit(generate_streamed, url, [2, 3 + i, 11, 13], tokens, started[i], together)
-                   for i in range(n)]
+        futures = [
+            pool.submit(generate_streamed, url, [2, 3 + i, 11, 13], tokens, started[i], together) for i in range(n)
+        ]
         for event in started:
             assert event.wait(120), "a long request produced no token"
         assert not any(f.done() for f in futures), "a long request ended before the others had started"
@@ -342,8 +413,9 @@ def _swap_during_requests(url: str, store: Path, step: int, model: Path, creds: 
     return results
 
 
-def test_unsigned_snapshots_forged_heads_and_admin_abuse_never_reach_the_model(live, models, references, creds,
-                                                                                tmp_path) -> None:
+def test_unsigned_snapshots_forged_heads_and_admin_abuse_never_reach_the_model(
+    live, models, references, creds, tmp_path
+) -> None:
     server, store = live
 
     def serves_d() -> None:
@@ -380,11 +452,19 @@ def test_the_cpu_kernel_shim_raises_and_records_any_call(sglang_python, tmp_path
     """The stand-in ``sgl_kernel`` has no kernels: a call raises and is logged (so the next test
     means something)."""
     log = tmp_path / "calls.log"
-    code = ("import sgl_kernel\n"
-            f"assert sgl_kernel.IS_DELTA_SWAP_CPU_TEST_SHIM and sorted(sgl_kernel.SHIMMED) == sorted({SHIMMED!r})\n"
-            "sgl_kernel.verify_tree_greedy_cpu(1, 2)\n")
-    out = subprocess.run([sglang_python, "-c", code], check=False, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "DELTA_SWAP_SGL_KERNEL_SHIM_LOG": str(log)})
+    code = (
+        "import sgl_kernel\n"
+        f"assert sgl_kernel.IS_DELTA_SWAP_CPU_TEST_SHIM and sorted(sgl_kernel.SHIMMED) == sorted({SHIMMED!r})\n"
+        "sgl_kernel.verify_tree_greedy_cpu(1, 2)\n"
+    )
+    out = subprocess.run(
+        [sglang_python, "-c", code],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "DELTA_SWAP_SGL_KERNEL_SHIM_LOG": str(log)},
+    )
     assert out.returncode != 0 and "CPU test shim" in out.stderr, out.stderr[-2000:]
     assert log.read_text().split()[-1] == "verify_tree_greedy_cpu"
 

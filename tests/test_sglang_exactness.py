@@ -23,12 +23,18 @@ class SglangExactness(TinyModelExactness):
     env: dict[str, str] = {}
 
     def start_server(self, model: Path, workdir: Path, settings: Mapping[str, object], log_name: str) -> Server:
-        return sglang_server.start(model, workdir, settings=settings, served_name="tiny", log_name=log_name,
-                                   extra=self.extra, env=self.env)
+        return sglang_server.start(
+            model, workdir, settings=settings, served_name="tiny", log_name=log_name, extra=self.extra, env=self.env
+        )
 
     def prompt_logprobs(self, url: str, prompt: list[int]) -> list[object]:
-        body = {"input_ids": prompt, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 1,
-                "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+        body = {
+            "input_ids": prompt,
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "top_logprobs_num": 1,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+        }
         r = httpx.post(f"{url}/generate", json=body, timeout=300)
         r.raise_for_status()
         meta = r.json()["meta_info"]

@@ -12,20 +12,31 @@ from sglang_delta_plugin.server import refuse_unsupported
 
 
 def _args(tmp_path, **over) -> SimpleNamespace:
-    base = {"dp_size": 1, "pp_size": 1, "tp_size": 2, "quantization": None, "enable_lora": None, "lora_paths": None,
-            "enable_multimodal": None, "model_path": str(tmp_path)}
+    base = {
+        "dp_size": 1,
+        "pp_size": 1,
+        "tp_size": 2,
+        "quantization": None,
+        "enable_lora": None,
+        "lora_paths": None,
+        "enable_multimodal": None,
+        "model_path": str(tmp_path),
+    }
     return SimpleNamespace(**{**base, **over})
 
 
-@pytest.mark.parametrize(("over", "refused"), [
-    ({}, None),
-    ({"dp_size": 2}, "--dp-size"),
-    ({"pp_size": 2}, "--pp-size"),
-    ({"quantization": "fp8"}, "--quantization fp8"),
-    ({"enable_lora": True}, "LoRA"),
-    ({"lora_paths": ["a=/x"]}, "LoRA"),
-    ({"enable_multimodal": True}, "multimodal"),
-])
+@pytest.mark.parametrize(
+    ("over", "refused"),
+    [
+        ({}, None),
+        ({"dp_size": 2}, "--dp-size"),
+        ({"pp_size": 2}, "--pp-size"),
+        ({"quantization": "fp8"}, "--quantization fp8"),
+        ({"enable_lora": True}, "LoRA"),
+        ({"lora_paths": ["a=/x"]}, "LoRA"),
+        ({"enable_multimodal": True}, "multimodal"),
+    ],
+)
 def test_unsupported_servers_are_refused_with_one_line(tmp_path, over, refused) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
     args = _args(tmp_path, **over)

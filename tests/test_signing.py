@@ -44,8 +44,11 @@ def keys(tmp_path_factory) -> dict[str, Path]:
 
 
 def _publish(store: Path, steps, key: Path | None, start: int = 0) -> None:
-    with Publisher(str(store), PublisherConfig(base_every=100, signing_key=str(key) if key else None),
-                   files={"config.json": b'{"model_type": "llama"}'}) as pub:
+    with Publisher(
+        str(store),
+        PublisherConfig(base_every=100, signing_key=str(key) if key else None),
+        files={"config.json": b'{"model_type": "llama"}'},
+    ) as pub:
         for i, s in enumerate(steps):
             pub.publish(start + i, s)
 
@@ -71,10 +74,21 @@ def test_signed_chain_pulls_only_with_a_trusting_key(tmp_path, keys) -> None:
     trusted = f"{keys['trainer']}.pub"
     rotated = f"{keys['rotated']}.pub,{trusted}"  # several trusted keys during a rotation
     _cli("pull", "--store", str(store), "--out", str(tmp_path / "a"), "--quiet", "--trusted-key", trusted)
-    _cli("pull", "--store", str(store), "--out", str(tmp_path / "b"), "--quiet", env={"DELTA_SWAP_TRUSTED_KEY": rotated})
+    _cli(
+        "pull", "--store", str(store), "--out", str(tmp_path / "b"), "--quiet", env={"DELTA_SWAP_TRUSTED_KEY": rotated}
+    )
     assert "step-0000000002" in _cli("inspect", "--store", str(store), "--trusted-key", trusted).stdout
-    err = _cli("pull", "--store", str(store), "--out", str(tmp_path / "c"), "--quiet", "--trusted-key",
-               f"{keys['stranger']}.pub", ok=False).stderr
+    err = _cli(
+        "pull",
+        "--store",
+        str(store),
+        "--out",
+        str(tmp_path / "c"),
+        "--quiet",
+        "--trusted-key",
+        f"{keys['stranger']}.pub",
+        ok=False,
+    ).stderr
     assert "SignatureError" not in err and "not trusted" in err
     assert not (tmp_path / "c").exists()
 
@@ -84,8 +98,9 @@ def test_an_unsigned_or_tampered_snapshot_is_refused_with_a_trusted_key(tmp_path
     _publish(store, rl_steps(2), keys["trainer"])
     _publish(store, rl_steps(3)[2:], None, start=2)  # someone with write access adds an unsigned step
     trusted = f"{keys['trainer']}.pub"
-    err = _cli("pull", "--store", str(store), "--out", str(tmp_path / "o"), "--quiet", "--trusted-key", trusted,
-               ok=False).stderr
+    err = _cli(
+        "pull", "--store", str(store), "--out", str(tmp_path / "o"), "--quiet", "--trusted-key", trusted, ok=False
+    ).stderr
     assert "step-0000000002 is not signed" in err and "step-0000000001" in err  # names the newest good one
     # Without a trusted key the unsigned step is accepted, and the CLI says snapshots are not authenticated.
     out = _cli("pull", "--store", str(store), "--out", str(tmp_path / "o"), "--quiet")
@@ -147,8 +162,14 @@ def test_signature_documents_are_checked_strictly(keys) -> None:
     trusted = TrustedKeys.load([f"{keys['trainer']}.pub"])
     good = SigningKey.load(keys["trainer"]).sign(b"manifest bytes")
     assert trusted.verify(b"manifest bytes", good, "s") == SigningKey.load(keys["trainer"]).key_id
-    for bad in (b"", b"[]", b'{"format": "delta-swap-signature"}', good.replace(b'"ed25519"', b'"rsa"'),
-                good[:-12] + b'AAAAAAAA"}', b"{" * 100000):
+    for bad in (
+        b"",
+        b"[]",
+        b'{"format": "delta-swap-signature"}',
+        good.replace(b'"ed25519"', b'"rsa"'),
+        good[:-12] + b'AAAAAAAA"}',
+        b"{" * 100000,
+    ):
         with pytest.raises(SignatureError):
             trusted.verify(b"manifest bytes", bad, "s")
     with pytest.raises(SignatureError, match="does not match"):

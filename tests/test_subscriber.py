@@ -134,7 +134,9 @@ async def test_resync_reloads_from_the_base_and_out_of_order_deltas_are_refused(
     assert not await sub.sync()
     # refused: by the checksums (codec v1), or already by the decoder, since codec v2's classes
     # depend on the old tensor and a delta applied to another state does not add up
-    assert sub.current.step == 2 and sub.status()["last_error"].startswith(("ChecksumMismatchError", "CorruptDataError"))
+    assert sub.current.step == 2 and sub.status()["last_error"].startswith(
+        ("ChecksumMismatchError", "CorruptDataError")
+    )
     await sub.stop()
     assert_state_equal(engine.weights, steps[2])
 
@@ -165,7 +167,10 @@ async def test_a_snapshot_that_does_not_fit_is_refused_before_it_is_fetched(tmp_
     for shard in (tmp_path / "snapshots" / "step-0000000000").glob("shard-*"):
         shard.unlink()  # a fetch would fail with NotFoundError instead
     assert not await sub.sync()
-    assert "IncompatibleSnapshotError" in sub.status()["last_error"] and "not in the served model" in sub.status()["last_error"]
+    assert (
+        "IncompatibleSnapshotError" in sub.status()["last_error"]
+        and "not in the served model" in sub.status()["last_error"]
+    )
     assert engine.calls == []
     await sub.stop()
 

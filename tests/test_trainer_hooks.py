@@ -20,8 +20,15 @@ from tests.support.chains import assert_state_equal
 def tiny(tmp_path_factory):
     from examples.tiny_model import make_tiny_model
 
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "m", hidden_size=64, num_layers=2, num_heads=4,
-                           num_kv_heads=2, intermediate_size=128, init_std=0.02)
+    return make_tiny_model(
+        tmp_path_factory.mktemp("tiny") / "m",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        init_std=0.02,
+    )
 
 
 async def test_the_readme_training_loop_publishes_every_step(tmp_path, tiny) -> None:
@@ -30,7 +37,7 @@ async def test_the_readme_training_loop_publishes_every_step(tmp_path, tiny) -> 
     model = LlamaForCausalLM.from_pretrained(tiny, torch_dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(0))
-    with Publisher(str(tmp_path), PublisherConfig(base_every=5)) as pub:   # the README's loop
+    with Publisher(str(tmp_path), PublisherConfig(base_every=5)) as pub:  # the README's loop
         for step in range(3):
             loss = model(ids, labels=ids).loss
             loss.backward()
@@ -48,8 +55,16 @@ async def test_a_transformers_trainer_publishes_after_each_optimizer_step(tmp_pa
 
     model = LlamaForCausalLM.from_pretrained(tiny, torch_dtype=torch.float32)
     rows = [{"input_ids": list(range(3 + i, 19 + i)), "labels": list(range(3 + i, 19 + i))} for i in range(8)]
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=2,
-                             learning_rate=1e-4, report_to=[], save_strategy="no", use_cpu=True, logging_strategy="no")
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=3,
+        per_device_train_batch_size=2,
+        learning_rate=1e-4,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        logging_strategy="no",
+    )
     callback = DeltaSwapCallback(str(tmp_path / "store"), PublisherConfig(base_every=10))
     Trainer(model=model, args=args, train_dataset=rows, callbacks=[callback]).train()
     store = FileStore(tmp_path / "store")
@@ -74,11 +89,27 @@ async def test_a_trl_grpo_trainer_publishes_with_the_callback(tmp_path, tiny) ->
     def digits(completions: list[str], **kwargs) -> list[float]:
         return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in completions]
 
-    config = GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4, num_generations=2,
-                        max_completion_length=4, learning_rate=1e-4, report_to=[], save_strategy="no", use_cpu=True,
-                        logging_strategy="no", bf16=False)
-    trainer = GRPOTrainer(model=str(tiny), reward_funcs=digits, args=config, train_dataset=prompts,
-                          processing_class=tokenizer, callbacks=[DeltaSwapCallback(str(tmp_path / "store"))])
+    config = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=4,
+        learning_rate=1e-4,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        logging_strategy="no",
+        bf16=False,
+    )
+    trainer = GRPOTrainer(
+        model=str(tiny),
+        reward_funcs=digits,
+        args=config,
+        train_dataset=prompts,
+        processing_class=tokenizer,
+        callbacks=[DeltaSwapCallback(str(tmp_path / "store"))],
+    )
     trainer.train()
     store = FileStore(tmp_path / "store")
     assert [m.step for m in await ChainReader(store).list()] == [1, 2]
@@ -93,8 +124,10 @@ def _run_two_ranks(target, model_dir, tmp_path) -> dict:
 
     ctx = mp.get_context("spawn")
     port, out = free_port(), tmp_path / "rank0.pt"
-    procs = [ctx.Process(target=target, args=(r, 2, port, str(model_dir), str(tmp_path / "store"), str(out)))
-             for r in range(2)]
+    procs = [
+        ctx.Process(target=target, args=(r, 2, port, str(model_dir), str(tmp_path / "store"), str(out)))
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -139,8 +172,10 @@ def _sharded_rank(rank: int, world: int, port: int, model_dir: str, store: str, 
             share = owned_tensors(model.state_dict().items(), rank, world, torch.bfloat16)
             largest_share = max(largest_share, sum(t.numel() * t.element_size() for t in share.values()))
             pub.publish(step, share)
-    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().to(torch.bfloat16)
-            for k, v in model.state_dict().items()}
+    full = {
+        k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().to(torch.bfloat16)
+        for k, v in model.state_dict().items()
+    }
     total = sum(t.numel() * t.element_size() for t in full.values())
     if rank == 0:
         torch.save({"state": full, "largest_share": largest_share, "total": total}, out)

@@ -46,8 +46,12 @@ def moto(loop_thread):
     server.start()
     host, port = server.get_host_and_port()
     proxy = start_proxy(loop_thread, f"http://{host}:{port}")
-    env = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL_S3": proxy.url}
+    env = {
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL_S3": proxy.url,
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     import boto3
@@ -200,8 +204,11 @@ async def test_http_store_follows_a_chain_through_faults(http_store) -> None:
     sub = Subscriber(Settings(store=proxy.url), engine, store=store)
     assert await sub.sync() and sub.current.step == 1
     _publish(str(root), steps[2:], start=2)
-    proxy.add(Fault("status", path="shard-", times=2, status=502), Fault("truncate", path="shard-"),
-              Fault("drop", path="manifest"))
+    proxy.add(
+        Fault("status", path="shard-", times=2, status=502),
+        Fault("truncate", path="shard-"),
+        Fault("drop", path="manifest"),
+    )
     assert await sub.sync() and sub.current.step == 3, sub.status()
     assert not await sub.sync()  # unchanged head: answered 304
     manifests = await ChainReader(store).list()  # no listing over HTTP: walks back from HEAD
@@ -219,8 +226,12 @@ def test_cli_reads_over_http(http_store, tmp_path) -> None:
 
     root, proxy = http_store
     _publish(str(root), rl_steps(3))
-    out = subprocess.run([sys.executable, "-m", "delta_swap.cli", "inspect", "--store", proxy.url, "--json"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "delta_swap.cli", "inspect", "--store", proxy.url, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert [r["step"] for r in json.loads(out.stdout)] == [0, 1, 2]
 
@@ -251,7 +262,10 @@ def _follower(url: str, env: dict, target_step: int, out: str) -> None:
 def test_several_subscriber_processes_converge_on_identical_weights(s3, tmp_path) -> None:
     steps = rl_steps(6)
     _publish(s3, steps[:1])
-    env = {k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL_S3")}
+    env = {
+        k: os.environ[k]
+        for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL_S3")
+    }
     ctx = mp.get_context("spawn")
     outs = [tmp_path / f"sub{i}.json" for i in range(3)]
     procs = [ctx.Process(target=_follower, args=(s3, env, 5, str(o))) for o in outs]
@@ -339,7 +353,7 @@ def quirky_http(tmp_path, loop_thread):
             return web.Response(body=data)
         first, last = (int(x) for x in request.headers["Range"].removeprefix("bytes=").split("-"))
         extra = 1 << 20 if mode == "too-much" else 0
-        body = data[first:last + 1] + b"\0" * extra
+        body = data[first : last + 1] + b"\0" * extra
         return web.Response(status=206, body=body, headers={"Content-Range": f"bytes {first}-{last}/{len(data)}"})
 
     app = web.Application()
@@ -396,8 +410,11 @@ def plain_http_server(tmp_path):
     root.mkdir()
     log = tmp_path / "http.server.log"
     with open(log, "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-u", "-m", "http.server", "--bind", "127.0.0.1", "0",
-                                 "--directory", str(root)], stdout=subprocess.PIPE, stderr=err)
+        proc = subprocess.Popen(
+            [sys.executable, "-u", "-m", "http.server", "--bind", "127.0.0.1", "0", "--directory", str(root)],
+            stdout=subprocess.PIPE,
+            stderr=err,
+        )
     try:
         line = proc.stdout.readline().decode()
         port = int(re.search(r"port (\d+)", line).group(1))
@@ -435,7 +452,10 @@ async def test_a_server_that_ignores_range_is_read_once_per_shard(plain_http_ser
     sub = Subscriber(Settings(store=url), engine, store=store)
     assert await sub.sync(), sub.status()["last_error"]
     assert sub.current.step == 2 and sub.status()["last_update_path"] == [
-        "step-0000000000", "step-0000000001", "step-0000000002"]
+        "step-0000000000",
+        "step-0000000001",
+        "step-0000000002",
+    ]
     await sub.stop()
     assert_state_equal(engine.weights, steps[2])
     gets = [p for m, p, _ in requests()[before:] if m == "GET"]
@@ -467,8 +487,9 @@ def gzip_http(tmp_path, loop_thread):
         rng = request.headers.get("Range")
         if rng and mode == "polite":
             first, last = (int(x) for x in rng.removeprefix("bytes=").split("-"))
-            return web.Response(status=206, body=data[first:last + 1],
-                                headers={"Content-Range": f"bytes {first}-{last}/{len(data)}"})
+            return web.Response(
+                status=206, body=data[first : last + 1], headers={"Content-Range": f"bytes {first}-{last}/{len(data)}"}
+            )
         resp = web.Response(body=data)
         resp.enable_compression(None if mode == "polite" else web.ContentCoding(mode))
         return resp
@@ -559,8 +580,12 @@ def test_no_secret_reaches_a_log_line_an_error_or_a_repr(tmp_path, loop_thread, 
         _publish(str(root), steps[2:3], start=2)
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app, client=("127.0.0.1", 9)), base_url="http://s")
         async with client:
-            assert (await client.post("/delta_swap/notify", headers={"Authorization": "Bearer wrong"})).status_code == 401
-            assert (await client.post("/delta_swap/notify", headers={"Authorization": f"Bearer {token}"})).status_code == 202
+            assert (
+                await client.post("/delta_swap/notify", headers={"Authorization": "Bearer wrong"})
+            ).status_code == 401
+            assert (
+                await client.post("/delta_swap/notify", headers={"Authorization": f"Bearer {token}"})
+            ).status_code == 202
             for _ in range(200):
                 if sub.current is not None and sub.current.step == 2:
                     break
@@ -576,8 +601,10 @@ def test_no_secret_reaches_a_log_line_an_error_or_a_repr(tmp_path, loop_thread, 
         await service.stop(app)
 
     asyncio.run(serve())
-    assert cli.main(["pull", "--store", url, "--out", str(tmp_path / "out"), "--quiet",
-                     "--snapshot", "step-0000000002"]) == 0
+    assert (
+        cli.main(["pull", "--store", url, "--out", str(tmp_path / "out"), "--quiet", "--snapshot", "step-0000000002"])
+        == 0
+    )
     assert cli.main(["pull", "--store", url, "--out", str(tmp_path / "out"), "--quiet"]) == 1  # the missing shard
     try:
         open_store(url.replace("http", "gopher", 1))

@@ -47,16 +47,19 @@ def test_names_must_match_whole(bad) -> None:
 
 async def test_tensors_may_not_share_stored_bytes(chain) -> None:
     """200 entries pointing at one byte range would make a reader write 200x what it fetched."""
+
     def edit(doc):
         tensors = {t["name"]: t for t in doc["tensors"]}
         tensors["lm_head.weight"]["offset"] = tensors["embed.weight"]["offset"]  # same shape and dtype
+
     _edit(chain, "step-0000000000", edit)
     with pytest.raises(CorruptDataError, match="share bytes"):
         await rebuild(FileStore(chain), "step-0000000000")
 
 
-@pytest.mark.parametrize("field, value", [("created_at", "Infinity"), ("step", "Infinity"), ("step", "1e400"),
-                                          ("created_at", "NaN")])
+@pytest.mark.parametrize(
+    "field, value", [("created_at", "Infinity"), ("step", "Infinity"), ("step", "1e400"), ("created_at", "NaN")]
+)
 async def test_non_finite_numbers_are_refused(chain, field, value) -> None:
     path = chain / store_keys.manifest_key("step-0000000002")
     text = path.read_text()
@@ -66,16 +69,26 @@ async def test_non_finite_numbers_are_refused(chain, field, value) -> None:
         await ChainReader(FileStore(chain)).manifest("step-0000000002")
 
 
-@pytest.mark.parametrize("head", [b'{"snapshot_id": "step-0000000002", "step": Infinity}', b"[" * 100000,
-                                  b'{"snapshot_id": "step-0000000002\\n", "step": 2}', b"{}", b"null",
-                                  b'{"snapshot_id": "step-0000000002", "step": 2}' + b" " * 5000])
+@pytest.mark.parametrize(
+    "head",
+    [
+        b'{"snapshot_id": "step-0000000002", "step": Infinity}',
+        b"[" * 100000,
+        b'{"snapshot_id": "step-0000000002\\n", "step": 2}',
+        b"{}",
+        b"null",
+        b'{"snapshot_id": "step-0000000002", "step": 2}' + b" " * 5000,
+    ],
+)
 def test_malformed_heads_are_corrupt_data(head) -> None:
     with pytest.raises(CorruptDataError):
         decode_head(head)
 
 
 async def test_deeply_nested_manifest_is_corrupt_data(chain) -> None:
-    (chain / store_keys.manifest_key("step-0000000002")).write_bytes(b'{"format": ' + b"[" * 200000 + b"]" * 200000 + b"}")
+    (chain / store_keys.manifest_key("step-0000000002")).write_bytes(
+        b'{"format": ' + b"[" * 200000 + b"]" * 200000 + b"}"
+    )
     with pytest.raises(CorruptDataError):
         await ChainReader(FileStore(chain)).manifest("step-0000000002")
 
@@ -196,7 +209,9 @@ async def test_a_tampered_shard_never_reaches_the_codec(tmp_path, monkeypatch, s
     calls: list[str] = []
     for name in ("decode", "decode_into", "payload_method"):
         real = getattr(rebuild.codec, name)
-        monkeypatch.setattr(rebuild.codec, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+        monkeypatch.setattr(
+            rebuild.codec, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k)
+        )
     assert not await sub.sync()
     assert "mismatch" in sub.status()["last_error"] and sub.current.step == 0
     assert calls == []  # refused on the shard's digests: not one payload was parsed

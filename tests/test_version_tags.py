@@ -23,8 +23,13 @@ def _app(version: str = "step-0000000007") -> FastAPI:
     async def completions(body: dict):
         for i in range(body.get("n", 1)):
             if i == 1:  # choice 1 crossed a swap (keep mode)
-                record(i, [{"version": "step-0000000007", "start": 0, "end": 3},
-                           {"version": "step-0000000008", "start": 3, "end": 5}])
+                record(
+                    i,
+                    [
+                        {"version": "step-0000000007", "start": 0, "end": 3},
+                        {"version": "step-0000000008", "start": 3, "end": 5},
+                    ],
+                )
             elif body.get("report", True):
                 record(i, [{"version": "step-0000000007", "start": 0, "end": 5}])
         choices = [{"index": i, "text": "hello", "finish_reason": "length"} for i in range(body.get("n", 1))]

@@ -47,8 +47,11 @@ PROMPTS = [
 
 def generate(url: str, prompt: list[int], max_tokens: int = 12, client: httpx.Client | None = None) -> dict:
     """Greedy generation through vLLM's token-in/token-out route, which tags weight versions."""
-    body = {"model": "tiny", "token_ids": [int(t) for t in prompt],
-            "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "logprobs": 1}}
+    body = {
+        "model": "tiny",
+        "token_ids": [int(t) for t in prompt],
+        "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "logprobs": 1},
+    }
     r = (client or httpx).post(f"{url}/inference/v1/generate", json=body, timeout=300)
     r.raise_for_status()
     return r.json()["choices"][0]
@@ -64,8 +67,14 @@ def greedy(url: str) -> list[tuple[list[int], object]]:
 def _stream_completion(url: str, prompt: list[int], max_tokens: int, started: threading.Event) -> dict:
     """Stream ``/v1/completions`` (the OpenAI route); set ``started`` at the first token; return the
     finishing choice (its ``weight_versions`` spans)."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     final: dict = {}
     arrivals: list[float] = []
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
@@ -111,8 +120,9 @@ def test_keep_drain_tags_each_token_range_with_the_version_that_produced_it(tmp_
     CPU engine steps faster than its API process handles the outputs, and the API process's event
     loop (vLLM's output handler, the routes, the plugin's subscriber) then runs nothing else until
     the requests end, so the swap could only land after them."""
-    a = make_tiny_model(tmp_path / "A", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
-                        intermediate_size=1536)
+    a = make_tiny_model(
+        tmp_path / "A", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, intermediate_size=1536
+    )
     b = perturb_weights(a, tmp_path / "B", seed=1)
     store = tmp_path / "store"
     publish_dirs(store, [(0, a)], None)
@@ -126,8 +136,9 @@ def test_keep_drain_tags_each_token_range_with_the_version_that_produced_it(tmp_
         publish_dirs(store, [(1, b)], None)
         started = [threading.Event() for _ in range(3)]
         with ThreadPoolExecutor(3) as pool:
-            futures = [pool.submit(_stream_completion, server.url, [2, 3 + i, 11, 13], 1000, started[i])
-                       for i in range(3)]
+            futures = [
+                pool.submit(_stream_completion, server.url, [2, 3 + i, 11, 13], 1000, started[i]) for i in range(3)
+            ]
             for event in started:
                 assert event.wait(120), "a long request produced no token"
             assert status(server.url)["current_step"] == 0  # not polled meanwhile
@@ -137,20 +148,31 @@ def test_keep_drain_tags_each_token_range_with_the_version_that_produced_it(tmp_
             while not all(f.done() for f in futures):
                 t0 = time.time()
                 s = status(server.url)
-                seen.append((round(t0 - notified, 2), round(time.time() - t0, 3), s["current_step"], s["update_phase"],
-                             s["update_phase_seconds"]))
+                seen.append(
+                    (
+                        round(t0 - notified, 2),
+                        round(time.time() - t0, 3),
+                        s["current_step"],
+                        s["update_phase"],
+                        s["update_phase_seconds"],
+                    )
+                )
                 time.sleep(0.5)
             outs = [f.result() for f in futures]
         st = wait_for(server.url, lambda s: s["current_step"] == 1 or s["failures"] > 0, timeout=120)
         assert st["current_step"] == 1 and st["failures"] == 0, st
         spans = [out["weight_versions"] for out in outs]
         if not all(len(s) == 2 for s in spans):  # the swap landed after the requests: print why
-            print(f"notified at {time.strftime('%H:%M:%S', time.localtime(notified))}.{int(notified * 1000) % 1000:03d}")
+            print(
+                f"notified at {time.strftime('%H:%M:%S', time.localtime(notified))}.{int(notified * 1000) % 1000:03d}"
+            )
             for out in outs:
                 t = out["arrivals"]
                 gaps = np.diff(t) if len(t) > 1 else np.zeros(1)
-                print(f"stream: {len(t)} chunks, {t[0] - notified:+.2f} s to {t[-1] - notified:+.2f} s after the "
-                      f"notify, longest gap {gaps.max():.2f} s at {t[int(gaps.argmax())] - notified:+.2f} s")
+                print(
+                    f"stream: {len(t)} chunks, {t[0] - notified:+.2f} s to {t[-1] - notified:+.2f} s after the "
+                    f"notify, longest gap {gaps.max():.2f} s at {t[int(gaps.argmax())] - notified:+.2f} s"
+                )
             print("timings:", st["last_update_timings_s"])
             print("status while the requests ran (s after notify, latency, step, phase, s in it):", seen)
             print(server.log_tail(60))
@@ -254,8 +276,9 @@ def test_a_chain_of_deltas_is_applied_in_order(live, models, references, creds) 
     assert greedy(server.url) == references["D"]
 
 
-def test_corrupt_missing_or_out_of_order_deltas_never_reach_the_model(live, models, references, creds,
-                                                                      tmp_path) -> None:
+def test_corrupt_missing_or_out_of_order_deltas_never_reach_the_model(
+    live, models, references, creds, tmp_path
+) -> None:
     server, store = live
 
     def serves_d() -> None:
@@ -266,7 +289,9 @@ def test_corrupt_missing_or_out_of_order_deltas_never_reach_the_model(live, mode
 
 def test_resync_reloads_the_base_and_replays_the_chain(live, references, creds) -> None:
     server, _ = live
-    notify = httpx.post(f"{server.url}/delta_swap/notify", json={"snapshot_id": "x"}, headers=creds.headers(), timeout=30)
+    notify = httpx.post(
+        f"{server.url}/delta_swap/notify", json={"snapshot_id": "x"}, headers=creds.headers(), timeout=30
+    )
     assert notify.status_code == 202
     r = httpx.post(f"{server.url}/delta_swap/resync", headers=creds.headers(), timeout=300)
     assert r.status_code == 200, r.text
@@ -291,8 +316,9 @@ def test_a_snapshot_that_does_not_fit_the_served_model_is_refused(live, models, 
         drop_snapshot(store, 8, head_step=7)
 
 
-def test_unsigned_snapshots_forged_heads_and_admin_abuse_never_reach_the_model(live, models, references, creds,
-                                                                                tmp_path) -> None:
+def test_unsigned_snapshots_forged_heads_and_admin_abuse_never_reach_the_model(
+    live, models, references, creds, tmp_path
+) -> None:
     server, store = live
 
     def serves_d() -> None:

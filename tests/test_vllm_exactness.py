@@ -25,12 +25,12 @@ class VllmExactness(TinyModelExactness):
     env: dict[str, str] = {}
 
     def start_server(self, model: Path, workdir: Path, settings: Mapping[str, object], log_name: str) -> Server:
-        return vllm_server.start(model, workdir, settings=settings, served_name="tiny", log_name=log_name,
-                                 extra=self.extra, env=self.env)
+        return vllm_server.start(
+            model, workdir, settings=settings, served_name="tiny", log_name=log_name, extra=self.extra, env=self.env
+        )
 
     def prompt_logprobs(self, url: str, prompt: list[int]) -> list[object]:
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "logprobs": 1,
-                "echo": True}
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "logprobs": 1, "echo": True}
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
         r.raise_for_status()
         logprobs = r.json()["choices"][0]["logprobs"]

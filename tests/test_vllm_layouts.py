@@ -22,17 +22,22 @@ def test_data_and_pipeline_parallel_are_refused_at_start(dp, pp, refused) -> Non
 
 
 def _config(quantization=None, lora=None, multimodal=False) -> SimpleNamespace:
-    return SimpleNamespace(parallel_config=SimpleNamespace(data_parallel_size=1, pipeline_parallel_size=1),
-                           model_config=SimpleNamespace(quantization=quantization, is_multimodal_model=multimodal),
-                           lora_config=lora)
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(data_parallel_size=1, pipeline_parallel_size=1),
+        model_config=SimpleNamespace(quantization=quantization, is_multimodal_model=multimodal),
+        lora_config=lora,
+    )
 
 
-@pytest.mark.parametrize(("config", "refused"), [
-    (_config(), None),
-    (_config(quantization="fp8"), "--quantization fp8"),
-    (_config(lora=SimpleNamespace(max_loras=1)), "--enable-lora"),
-    (_config(multimodal=True), "multimodal"),
-])
+@pytest.mark.parametrize(
+    ("config", "refused"),
+    [
+        (_config(), None),
+        (_config(quantization="fp8"), "--quantization fp8"),
+        (_config(lora=SimpleNamespace(max_loras=1)), "--enable-lora"),
+        (_config(multimodal=True), "multimodal"),
+    ],
+)
 def test_quantized_lora_and_multimodal_servers_are_refused_at_start(config, refused) -> None:
     if refused is None:
         endpoint.refuse_unsupported(config)
@@ -53,7 +58,13 @@ def test_a_lora_server_exits_at_start_with_the_reason(tmp_path) -> None:
     store = tmp_path / "store"
     publish_dirs(store, [(0, model)], None)
     with pytest.raises(RuntimeError, match="server exited") as info:
-        server = vllm_server.start(model, tmp_path, settings={"store": store.as_uri()}, served_name="tiny",
-                                   log_name="lora.log", extra=["--enable-lora"])
+        server = vllm_server.start(
+            model,
+            tmp_path,
+            settings={"store": store.as_uri()},
+            served_name="tiny",
+            log_name="lora.log",
+            extra=["--enable-lora"],
+        )
         server.stop()
     assert "delta_swap does not support --enable-lora yet" in str(info.value) + (tmp_path / "lora.log").read_text()

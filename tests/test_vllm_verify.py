@@ -20,21 +20,31 @@ pytestmark = pytest.mark.engine
 REVERT_FIXES = Path(__file__).parent / "support" / "revert_fixes"
 
 
-@pytest.mark.parametrize(("family", "fix", "named"), [
-    ("qwen3", "tied", "lm_head"),
-    ("qwen3_moe", "experts", "mlp.experts"),
-    ("qwen2", "modules", "qkv_proj"),
-])
+@pytest.mark.parametrize(
+    ("family", "fix", "named"),
+    [
+        ("qwen3", "tied", "lm_head"),
+        ("qwen3_moe", "experts", "mlp.experts"),
+        ("qwen2", "modules", "qkv_proj"),
+    ],
+)
 def test_verification_catches_the_bug_a_reverted_fix_lets_through(family, fix, named, tmp_path) -> None:
     base = make_tiny_model(tmp_path / "A", family=family)
     what, only = PARTIAL_DELTAS[family][0]
     step1 = perturb_weights(base, tmp_path / "B", only=only, seed=1)
     store = tmp_path / "store"
     publish_dirs(store, [(0, base)], None)
-    env = {"DELTA_SWAP_REVERT_FIXES": fix,
-           "PYTHONPATH": os.pathsep.join([str(REVERT_FIXES), os.environ.get("PYTHONPATH", "")])}
-    settings = {"store": store.as_uri(), "poll_interval": 0.2, "drain": "wait", "swap_path": "reload",
-                "verify_swaps": True}
+    env = {
+        "DELTA_SWAP_REVERT_FIXES": fix,
+        "PYTHONPATH": os.pathsep.join([str(REVERT_FIXES), os.environ.get("PYTHONPATH", "")]),
+    }
+    settings = {
+        "store": store.as_uri(),
+        "poll_interval": 0.2,
+        "drain": "wait",
+        "swap_path": "reload",
+        "verify_swaps": True,
+    }
     server = vllm_server.start(base, tmp_path, settings=settings, served_name="tiny", env=env)
     try:
         # The first sync reloads every tensor: the experts bug already shows there.

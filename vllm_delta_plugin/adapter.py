@@ -75,8 +75,9 @@ class VllmAdapter(EngineAdapter):
 
     name = "vllm"
 
-    def __init__(self, engine_client: Any, settings: Settings, served: ServedModel,
-                 packed: Mapping[str, Sequence[str]] | None) -> None:
+    def __init__(
+        self, engine_client: Any, settings: Settings, served: ServedModel, packed: Mapping[str, Sequence[str]] | None
+    ) -> None:
         self.engine = engine_client
         self.settings = settings
         self.served = served
@@ -94,14 +95,19 @@ class VllmAdapter(EngineAdapter):
     @classmethod
     def for_engine(cls, engine_client: Any, settings: Settings, model: str) -> VllmAdapter:
         """The adapter of a server started with ``--model model``."""
-        return cls(engine_client, settings, ServedModel.from_checkpoint(model), packed_modules_of(engine_client.vllm_config))
+        return cls(
+            engine_client, settings, ServedModel.from_checkpoint(model), packed_modules_of(engine_client.vllm_config)
+        )
 
     async def weight_version(self) -> str | None:
         return await self.engine.get_weight_version()
 
     async def describe(self) -> dict[str, Any]:
-        return {"swap_path": "arena" if self.arenas else ("reload" if self._described else None),
-                "swap_path_reason": self.path_reason, "last_verification": self.last_verification}
+        return {
+            "swap_path": "arena" if self.arenas else ("reload" if self._described else None),
+            "swap_path_reason": self.path_reason,
+            "last_verification": self.last_verification,
+        }
 
     async def _call(self, info: dict[str, Any], version: str | None = None) -> None:
         """One operation of the workers' ``delta_swap`` backend, in its own weight-update session;
@@ -143,8 +149,11 @@ class VllmAdapter(EngineAdapter):
             else:
                 log.info("delta_swap: reloading changed tensors on each swap (%s)", doc["reason"])
             if self.settings.swap_path is SwapPath.ARENA and self.arenas is None:
-                log.warning("delta_swap: DELTA_SWAP_SWAP_PATH=arena, but this engine cannot swap by reference (%s): "
-                            "reloading instead", self.path_reason)
+                log.warning(
+                    "delta_swap: DELTA_SWAP_SWAP_PATH=arena, but this engine cannot swap by reference (%s): "
+                    "reloading instead",
+                    self.path_reason,
+                )
         if self.arenas is None or specs != self.arenas.layout.specs:
             return None
         return await asyncio.to_thread(self.arenas.spare_tensors)
@@ -160,8 +169,9 @@ class VllmAdapter(EngineAdapter):
             names = sorted(update.state)
         else:
             names = sorted(complete_modules(update.names, self._groups, self.packed) & update.state.keys())
-        path = os.path.join(self.settings.staging_dir,
-                            f"delta-swap-{os.getpid()}-{update.version}-{uuid.uuid4().hex[:8]}.safetensors")
+        path = os.path.join(
+            self.settings.staging_dir, f"delta-swap-{os.getpid()}-{update.version}-{uuid.uuid4().hex[:8]}.safetensors"
+        )
 
         # What the verification compares with: whole modules, computed apart from the completion above
         # (so a completion that missed a tensor is caught); the same file whenever they agree.
@@ -236,8 +246,16 @@ class VllmAdapter(EngineAdapter):
         difference), in one weight-update call."""
         output = staged.path + ".verified.json"
         try:
-            await self._call({"op": "load", "path": staged.path, "names": staged.names, "output": output,
-                              "verify_path": staged.verify_path, "verify_names": staged.verify_names})
+            await self._call(
+                {
+                    "op": "load",
+                    "path": staged.path,
+                    "names": staged.names,
+                    "output": output,
+                    "verify_path": staged.verify_path,
+                    "verify_names": staged.verify_names,
+                }
+            )
             self.last_verification = json.loads(Path(output).read_text())
         finally:
             Path(output).unlink(missing_ok=True)

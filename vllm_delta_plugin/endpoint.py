@@ -32,8 +32,10 @@ class DeltaSwapEndpoint:
             refuse_unsupported(engine_client.vllm_config)
             backend = getattr(engine_client.vllm_config.weight_transfer_config, "backend", None)
             if backend != BACKEND_NAME:
-                raise ConfigError("delta_swap needs vLLM's weight-transfer backend: add "
-                                  f"--weight-transfer-config '{{\"backend\": \"{BACKEND_NAME}\"}}'")
+                raise ConfigError(
+                    "delta_swap needs vLLM's weight-transfer backend: add "
+                    f'--weight-transfer-config \'{{"backend": "{BACKEND_NAME}"}}\''
+                )
             from .adapter import VllmAdapter
 
             adapter = VllmAdapter.for_engine(engine_client, settings, args.model)
@@ -48,14 +50,20 @@ def refuse_unsupported(vllm_config: Any) -> None:
     model = getattr(vllm_config, "model_config", None)
     quantization = getattr(model, "quantization", None)
     if quantization:
-        raise ConfigError(f"delta_swap does not support quantized servers yet (--quantization {quantization}: "
-                          "the engine would hold re-quantized weights, not the published ones); serve bf16/fp16")
+        raise ConfigError(
+            f"delta_swap does not support quantized servers yet (--quantization {quantization}: "
+            "the engine would hold re-quantized weights, not the published ones); serve bf16/fp16"
+        )
     if getattr(vllm_config, "lora_config", None) is not None:
-        raise ConfigError("delta_swap does not support --enable-lora yet (base weights under loaded adapters "
-                          "are not verified); serve without LoRA")
+        raise ConfigError(
+            "delta_swap does not support --enable-lora yet (base weights under loaded adapters "
+            "are not verified); serve without LoRA"
+        )
     if getattr(model, "is_multimodal_model", False):
-        raise ConfigError("delta_swap does not support multimodal models yet (the vision tower and its "
-                          "processor are not covered by the swap's checks)")
+        raise ConfigError(
+            "delta_swap does not support multimodal models yet (the vision tower and its "
+            "processor are not covered by the swap's checks)"
+        )
 
 
 def refuse_parallel_layouts(parallel: Any) -> None:
@@ -63,7 +71,9 @@ def refuse_parallel_layouts(parallel: Any) -> None:
     run its own subscriber and swap the same engines) and pipeline parallel (not tested). Tensor
     parallel is supported."""
     if getattr(parallel, "data_parallel_size", 1) > 1:
-        raise ConfigError("delta_swap does not support --data-parallel-size > 1 yet (each API server would swap "
-                          "the engines on its own); run one server per replica")
+        raise ConfigError(
+            "delta_swap does not support --data-parallel-size > 1 yet (each API server would swap "
+            "the engines on its own); run one server per replica"
+        )
     if getattr(parallel, "pipeline_parallel_size", 1) > 1:
         raise ConfigError("delta_swap does not support --pipeline-parallel-size > 1 yet")

@@ -45,8 +45,9 @@ def module_groups(names: Iterable[str], packed: Mapping[str, Sequence[str]]) -> 
     return groups
 
 
-def complete_modules(names: Iterable[str], groups: Mapping[str, Sequence[str]],
-                     packed: Mapping[str, Sequence[str]]) -> set[str]:
+def complete_modules(
+    names: Iterable[str], groups: Mapping[str, Sequence[str]], packed: Mapping[str, Sequence[str]]
+) -> set[str]:
     """``names`` and every other tensor of the modules they load into."""
     out = set(names)
     for name in list(out):

@@ -95,8 +95,9 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         self._served = ServedModel.from_checkpoint(str(vllm_config.model_config.model))
-        self._packed: dict[str, list[str]] = {k: list(v) for k, v in
-                                              (getattr(model, "packed_modules_mapping", None) or {}).items()}
+        self._packed: dict[str, list[str]] = {
+            k: list(v) for k, v in (getattr(model, "packed_modules_mapping", None) or {}).items()
+        }
         self._groups = module_groups(self._served.specs, self._packed)
         #: Modules that received tensors in the reload under way.
         self._touched: set[str] = set()
@@ -142,8 +143,9 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             if mismatch is not None:
                 layout, reason = None, mismatch
         self._layout = layout
-        Path(output).write_text(json.dumps({"layout": layout and layout.to_json(), "reason": reason,
-                                            "packed": self._packed}))
+        Path(output).write_text(
+            json.dumps({"layout": layout and layout.to_json(), "reason": reason, "packed": self._packed})
+        )
 
     def _commit(self, path: str) -> None:
         """Point every parameter at the arena ``path`` (mapped on first use)."""
@@ -185,8 +187,11 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
             # each rank holds a shard: the read-back does not map shards yet, so it says so
             if output:
-                Path(output).write_text(json.dumps(
-                    {"checks": 0, "seconds": 0.0, "skipped": "tensor or pipeline parallel ranks hold shards"}))
+                Path(output).write_text(
+                    json.dumps(
+                        {"checks": 0, "seconds": 0.0, "skipped": "tensor or pipeline parallel ranks hold shards"}
+                    )
+                )
             return
         published = dict(_read_tensors(path, set(names)))
         with set_current_vllm_config(self.vllm_config), torch.inference_mode():
@@ -195,16 +200,18 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             except ChecksumMismatchError:
                 raise
             except Exception as exc:  # a layout the check does not know: say so, never pass silently
-                raise ChecksumMismatchError(f"delta_swap: cannot read back the swapped modules: "
-                                            f"{type(exc).__name__}: {exc}") from exc
+                raise ChecksumMismatchError(
+                    f"delta_swap: cannot read back the swapped modules: {type(exc).__name__}: {exc}"
+                ) from exc
         seconds = time.perf_counter() - started
         log.info("delta_swap: verified %d modules against the snapshot in %.1f ms", checks, 1000 * seconds)
         if output:
             Path(output).write_text(json.dumps({"checks": checks, "seconds": seconds}))
 
     def _validate(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        self._served.check_fits({name: (from_torch_dtype(t.dtype), tuple(t.shape)) for name, t in weights},
-                                complete=False)
+        self._served.check_fits(
+            {name: (from_torch_dtype(t.dtype), tuple(t.shape)) for name, t in weights}, complete=False
+        )
         names = {name for name, _ in weights}
         gaps = sorted(complete_modules(names, self._groups, self._packed) - names)
         if gaps:

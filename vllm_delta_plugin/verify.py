@@ -32,8 +32,9 @@ SAMPLES = 4096
 PROBES = 4
 
 
-def verify_modules(model: torch.nn.Module, published: Mapping[str, torch.Tensor],
-                   packed: Mapping[str, Sequence[str]]) -> int:
+def verify_modules(
+    model: torch.nn.Module, published: Mapping[str, torch.Tensor], packed: Mapping[str, Sequence[str]]
+) -> int:
     """Check every module that ``published`` (checkpoint name -> tensor) loads into, and every
     module sharing a parameter with one of them (a tied ``lm_head``), against those tensors.
     Returns how many checks ran; raises ChecksumMismatchError at the first difference."""
@@ -56,8 +57,9 @@ def verify_modules(model: torch.nn.Module, published: Mapping[str, torch.Tensor]
     return checks
 
 
-def _verify_module(path: str, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor],
-                   packed: Mapping[str, Sequence[str]]) -> int:
+def _verify_module(
+    path: str, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor], packed: Mapping[str, Sequence[str]]
+) -> int:
     method = getattr(module, "quant_method", None)
     if method is not None and not type(method).__name__.startswith("Unquantized"):
         return 0  # a quantized layer computes with other values by design: not read back (yet)
@@ -77,7 +79,7 @@ def _verify_module(path: str, module: torch.nn.Module, tensors: Mapping[str, tor
         if param is not None and param.numel() >= total:  # a plain parameter: the parts back to back
             flat, offset = param.detach().reshape(-1), 0
             for _, t in parts:
-                _compare(name, flat[offset:offset + t.numel()], t.reshape(-1))
+                _compare(name, flat[offset : offset + t.numel()], t.reshape(-1))
                 offset += t.numel()
             checks += 1
         if kind == "weight" and all(t.ndim == 2 for _, t in parts) and _is_linear(module):
@@ -85,8 +87,9 @@ def _verify_module(path: str, module: torch.nn.Module, tensors: Mapping[str, tor
     return checks
 
 
-def _ordered(path: str, tensors: Mapping[str, torch.Tensor],
-             packed: Mapping[str, Sequence[str]]) -> list[tuple[str, torch.Tensor]]:
+def _ordered(
+    path: str, tensors: Mapping[str, torch.Tensor], packed: Mapping[str, Sequence[str]]
+) -> list[tuple[str, torch.Tensor]]:
     """A fused module's constituents in the order vLLM stacks them (q, k, v; gate, up)."""
     parts = packed.get(path.rsplit(".", 1)[-1])
     if not parts:
@@ -132,10 +135,15 @@ def _verify_experts(path: str, module: torch.nn.Module, tensors: Mapping[str, to
     kernel = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
     stub = torch.nn.Module()
     device = _device(module)
-    stub.register_parameter("w13_weight", torch.nn.Parameter(
-        torch.cat([parts["gate_proj"], parts["up_proj"]]).unsqueeze(0).to(device), requires_grad=False))
-    stub.register_parameter("w2_weight", torch.nn.Parameter(parts["down_proj"].unsqueeze(0).to(device),
-                                                            requires_grad=False))
+    stub.register_parameter(
+        "w13_weight",
+        torch.nn.Parameter(
+            torch.cat([parts["gate_proj"], parts["up_proj"]]).unsqueeze(0).to(device), requires_grad=False
+        ),
+    )
+    stub.register_parameter(
+        "w2_weight", torch.nn.Parameter(parts["down_proj"].unsqueeze(0).to(device), requires_grad=False)
+    )
     if kernel is not None and hasattr(kernel, "process_weights_after_loading"):
         kernel.process_weights_after_loading(stub)
     name = f"{path}.{index} (gate/up/down)"
@@ -162,8 +170,9 @@ def modules_sharing_parameters_with(model: torch.nn.Module, touched: set[str]) -
     return sorted(out.items(), key=lambda item: item[0])
 
 
-def _shared_source(module: torch.nn.Module, modules: Mapping[str, torch.nn.Module],
-                   by_module: Mapping[str, Mapping[str, torch.Tensor]]) -> tuple[str, dict[str, torch.Tensor]] | None:
+def _shared_source(
+    module: torch.nn.Module, modules: Mapping[str, torch.nn.Module], by_module: Mapping[str, Mapping[str, torch.Tensor]]
+) -> tuple[str, dict[str, torch.Tensor]] | None:
     """The published tensors of a module that holds the same parameter object as ``module``."""
     own = {id(p) for p in module.parameters(recurse=False)}
     for path, tensors in by_module.items():
@@ -187,7 +196,9 @@ def _compare(name: str, live: torch.Tensor, expected: torch.Tensor) -> None:
     """Compare at up to SAMPLES evenly spread positions (values cast to the live dtype)."""
     live, expected = live.reshape(-1), expected.reshape(-1).to(device=live.device)
     if live.numel() != expected.numel():
-        raise ChecksumMismatchError(f"{name}: the engine holds {live.numel()} elements, the snapshot {expected.numel()}")
+        raise ChecksumMismatchError(
+            f"{name}: the engine holds {live.numel()} elements, the snapshot {expected.numel()}"
+        )
     step = max(1, live.numel() // SAMPLES)
     a, b = live[::step], expected[::step].to(live.dtype)
     same = (a == b) | (torch.isnan(a) & torch.isnan(b))
@@ -195,4 +206,5 @@ def _compare(name: str, live: torch.Tensor, expected: torch.Tensor) -> None:
         where = int((~same).nonzero()[0]) * step
         raise ChecksumMismatchError(
             f"{name}: the engine computes with other values than the snapshot (element {where}: "
-            f"{float(live[where])} instead of {float(expected[where])})")
+            f"{float(live[where])} instead of {float(expected[where])})"
+        )

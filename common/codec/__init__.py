@@ -104,8 +104,15 @@ def encode_tensor_delta(
         return encode_full(new, dtype, config)
     if config.version == 1:
         return v1.encode_tensor_delta(old, new, dtype, config.zstd_level, config.dense_fraction)
-    return _v2().encode_delta(raw_bytes(old, "old"), new, dtype, tuple(shape) if shape else None,
-                              config.zstd_level, config.dense_fraction, config.predict_signs)
+    return _v2().encode_delta(
+        raw_bytes(old, "old"),
+        new,
+        dtype,
+        tuple(shape) if shape else None,
+        config.zstd_level,
+        config.dense_fraction,
+        config.predict_signs,
+    )
 
 
 # --------------------------------------------------------------------------- decoder

@@ -33,8 +33,11 @@ def checkpoint_tensors(model: Any, named: Iterable[tuple[str, Any]] | None = Non
     from transformers.core_model_loading import revert_weight_conversion
 
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
-    state = {name: (tensor.detach().to(dtype) if dtype is not None and tensor.is_floating_point() else tensor.detach())
-             for name, tensor in (model.state_dict().items() if named is None else named) if name not in tied}
+    state = {
+        name: (tensor.detach().to(dtype) if dtype is not None and tensor.is_floating_point() else tensor.detach())
+        for name, tensor in (model.state_dict().items() if named is None else named)
+        if name not in tied
+    }
     if not state:
         return {}
     return dict(revert_weight_conversion(model, state))
@@ -46,9 +49,11 @@ def check_checkpoint_names(tensors: Mapping[str, Any]) -> dict[str, Any]:
     the tensors that only exist in memory (fused experts), which no server could load."""
     fused = sorted(name for name in tensors if _FUSED_EXPERTS.search(name))
     if fused:
-        raise ConfigError(f"{', '.join(fused[:3])}{' ...' if len(fused) > 3 else ''}: fused in-memory weights that "
-                          "no checkpoint holds; publish the model itself (publish(step, model)) so they are split as "
-                          "save_pretrained writes them")
+        raise ConfigError(
+            f"{', '.join(fused[:3])}{' ...' if len(fused) > 3 else ''}: fused in-memory weights that "
+            "no checkpoint holds; publish the model itself (publish(step, model)) so they are split as "
+            "save_pretrained writes them"
+        )
     seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
     out = {}
     for name, tensor in tensors.items():

@@ -27,8 +27,15 @@ from .sharded import owned_tensors
 class DeltaSwapCallback(TrainerCallback):
     """Publish the trained model every ``every`` optimizer steps (as that global step)."""
 
-    def __init__(self, store: str, config: PublisherConfig | None = None, *, every: int = 1,
-                 dtype: Any = "bfloat16", files: dict[str, bytes] | None = None) -> None:
+    def __init__(
+        self,
+        store: str,
+        config: PublisherConfig | None = None,
+        *,
+        every: int = 1,
+        dtype: Any = "bfloat16",
+        files: dict[str, bytes] | None = None,
+    ) -> None:
         import torch
 
         self.store, self.every, self.files = store, every, files

@@ -61,8 +61,9 @@ class Store(ABC):
         return public_url(self.url)
 
     @abstractmethod
-    async def get(self, key: str, start: int | None = None, end: int | None = None, *,
-                  max_bytes: int | None = None) -> bytes:
+    async def get(
+        self, key: str, start: int | None = None, end: int | None = None, *, max_bytes: int | None = None
+    ) -> bytes:
         """Bytes of ``key`` (``[start, end)`` if given).
 
         Raises NotFoundError if absent, ObjectTooLargeError if the object (or range) holds more
@@ -85,7 +86,9 @@ class Store(ABC):
     async def delete(self, key: str) -> None:
         """Remove ``key`` if present."""
 
-    async def get_if_changed(self, key: str, etag: str | None, *, max_bytes: int | None = None) -> tuple[bytes, str] | None:
+    async def get_if_changed(
+        self, key: str, etag: str | None, *, max_bytes: int | None = None
+    ) -> tuple[bytes, str] | None:
         """``(data, etag)`` of ``key``, or None when it still matches ``etag``.
 
         Backends with conditional requests (S3, HTTP) override this so an unchanged head
@@ -149,8 +152,9 @@ class RangedStore(Store):
             raise TransientError(f"short body for {key}: {len(received)} of {end - start} bytes")
         return bytes(received)
 
-    async def get(self, key: str, start: int | None = None, end: int | None = None, *,
-                  max_bytes: int | None = None) -> bytes:
+    async def get(
+        self, key: str, start: int | None = None, end: int | None = None, *, max_bytes: int | None = None
+    ) -> bytes:
         begin = start or 0
         if end is None:
             end = await self.size(key)

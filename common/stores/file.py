@@ -40,8 +40,9 @@ class FileStore(Store):
             raise StoreError(f"{key} in {self.public_url} is a link that leaves the store")
         return path
 
-    async def get(self, key: str, start: int | None = None, end: int | None = None, *,
-                  max_bytes: int | None = None) -> bytes:
+    async def get(
+        self, key: str, start: int | None = None, end: int | None = None, *, max_bytes: int | None = None
+    ) -> bytes:
         return await asyncio.to_thread(self._get, key, start, end, max_bytes)
 
     def _get(self, key: str, start: int | None, end: int | None, max_bytes: int | None) -> bytes:

@@ -66,8 +66,13 @@ class HttpStore(RangedStore):
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
             limits = httpx.Limits(max_connections=self.config.concurrency * 2)
-            self._client = httpx.AsyncClient(timeout=self.config.retry.timeout_s, limits=limits, follow_redirects=False,
-                                             auth=self._auth, headers={"Accept-Encoding": "identity"})
+            self._client = httpx.AsyncClient(
+                timeout=self.config.retry.timeout_s,
+                limits=limits,
+                follow_redirects=False,
+                auth=self._auth,
+                headers={"Accept-Encoding": "identity"},
+            )
             self._sem = asyncio.Semaphore(self.config.concurrency)
         return self._client
 
@@ -112,8 +117,10 @@ class HttpStore(RangedStore):
                 yield chunk
             return
         if encoding not in ("gzip", "x-gzip", "deflate"):
-            raise StoreError(f"{key}: {self.public_url} answered with Content-Encoding {encoding!r:.40}, which "
-                             "delta-swap does not decode (it asks for identity)")
+            raise StoreError(
+                f"{key}: {self.public_url} answered with Content-Encoding {encoding!r:.40}, which "
+                "delta-swap does not decode (it asks for identity)"
+            )
         wbits = 16 + zlib.MAX_WBITS if encoding != "deflate" else zlib.MAX_WBITS
         inflater, first = zlib.decompressobj(wbits), True
         async for chunk in resp.aiter_raw():
@@ -138,6 +145,7 @@ class HttpStore(RangedStore):
     async def size(self, key: str) -> int | None:
         """The object's size; -1 when the server does not say (no Content-Length, or the length of
         a compressed answer)."""
+
         async def op(client: httpx.AsyncClient) -> int | None:
             resp = await client.head(self._object_url(key))
             if resp.status_code == 404:
@@ -149,8 +157,9 @@ class HttpStore(RangedStore):
 
         return await self._request(f"HEAD {key}", op)
 
-    async def get(self, key: str, start: int | None = None, end: int | None = None, *,
-                  max_bytes: int | None = None) -> bytes:
+    async def get(
+        self, key: str, start: int | None = None, end: int | None = None, *, max_bytes: int | None = None
+    ) -> bytes:
         begin = start or 0
         if end is None:
             size = await self.size(key)
@@ -245,6 +254,7 @@ class HttpStore(RangedStore):
     async def _get_stream(self, key: str, start: int, end: int | None, max_bytes: int | None) -> bytes:
         """Bytes ``[start, end)`` (to the end when ``end`` is None) from one plain GET, for
         servers that ignore Range: bytes before ``start`` are skipped, reading stops at ``end``."""
+
         async def op(client: httpx.AsyncClient) -> bytes:
             kept, seen = bytearray(), 0
             async with client.stream("GET", self._object_url(key)) as resp:
@@ -263,7 +273,9 @@ class HttpStore(RangedStore):
 
         return await self._request(f"GET {key} (whole)", op)
 
-    async def get_if_changed(self, key: str, etag: str | None, *, max_bytes: int | None = None) -> tuple[bytes, str] | None:
+    async def get_if_changed(
+        self, key: str, etag: str | None, *, max_bytes: int | None = None
+    ) -> tuple[bytes, str] | None:
         async def op(client: httpx.AsyncClient) -> tuple[bytes, str] | None:
             headers = {"If-None-Match": etag} if etag else {}
             async with client.stream("GET", self._object_url(key), headers=headers) as resp:

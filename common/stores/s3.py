@@ -28,8 +28,19 @@ class S3Config:
     retry: RetryPolicy = RetryPolicy()
 
 
-_TRANSIENT_CODES = {"500", "502", "503", "504", "InternalError", "ServiceUnavailable", "SlowDown",
-                    "RequestTimeout", "Throttling", "ThrottlingException", "RequestTimeTooSkewed"}
+_TRANSIENT_CODES = {
+    "500",
+    "502",
+    "503",
+    "504",
+    "InternalError",
+    "ServiceUnavailable",
+    "SlowDown",
+    "RequestTimeout",
+    "Throttling",
+    "ThrottlingException",
+    "RequestTimeTooSkewed",
+}
 _MISSING_CODES = {"404", "NoSuchKey", "NotFound"}
 _CONDITION_CODES = {"412", "PreconditionFailed", "409", "ConditionalRequestConflict"}
 
@@ -64,9 +75,12 @@ class S3Store(RangedStore):
             from aiobotocore.session import get_session
 
             # Retries are ours (they also resume short bodies); botocore makes one attempt.
-            aio_config = AioConfig(retries={"max_attempts": 1, "mode": "standard"},
-                                   max_pool_connections=max(10, self.config.concurrency * 2),
-                                   connect_timeout=self.config.retry.timeout_s, read_timeout=self.config.retry.timeout_s)
+            aio_config = AioConfig(
+                retries={"max_attempts": 1, "mode": "standard"},
+                max_pool_connections=max(10, self.config.concurrency * 2),
+                connect_timeout=self.config.retry.timeout_s,
+                read_timeout=self.config.retry.timeout_s,
+            )
             self._client_cm = get_session().create_client("s3", config=aio_config)
             self._client = await self._client_cm.__aenter__()
             self._sem = asyncio.Semaphore(self.config.concurrency)
@@ -79,6 +93,7 @@ class S3Store(RangedStore):
 
     async def _call(self, what: str, op) -> Any:
         """Run one S3 request with retries, mapping errors to the store's error types."""
+
         async def attempt() -> Any:
             client = await self._s3()
             assert self._sem is not None
@@ -113,7 +128,9 @@ class S3Store(RangedStore):
 
         return await self._call(f"GET {key} [{start}, {end})", op)
 
-    async def get_if_changed(self, key: str, etag: str | None, *, max_bytes: int | None = None) -> tuple[bytes, str] | None:
+    async def get_if_changed(
+        self, key: str, etag: str | None, *, max_bytes: int | None = None
+    ) -> tuple[bytes, str] | None:
         async def op(client: Any) -> tuple[bytes, str] | None:
             kwargs = {"IfNoneMatch": etag} if etag else {}
             try:
@@ -141,8 +158,10 @@ class S3Store(RangedStore):
         conditional write won (409)."""
         condition = {"IfMatch": etag} if etag is not None else {"IfNoneMatch": "*"}
         try:
-            await self._call(f"PUT {key} if unchanged", lambda c: c.put_object(
-                Bucket=self.bucket, Key=self._key(key), Body=bytes(data), **condition))
+            await self._call(
+                f"PUT {key} if unchanged",
+                lambda c: c.put_object(Bucket=self.bucket, Key=self._key(key), Body=bytes(data), **condition),
+            )
         except _ConditionFailed:
             return False
         return True
@@ -164,27 +183,38 @@ class S3Store(RangedStore):
     async def put(self, key: str, data: bytes | memoryview) -> None:
         data = memoryview(data)
         if len(data) <= self.config.multipart_threshold:
-            await self._call(f"PUT {key}", lambda c: c.put_object(Bucket=self.bucket, Key=self._key(key), Body=bytes(data)))
+            await self._call(
+                f"PUT {key}", lambda c: c.put_object(Bucket=self.bucket, Key=self._key(key), Body=bytes(data))
+            )
             return
         full = self._key(key)
-        upload = await self._call(f"CREATE MULTIPART {key}",
-                                  lambda c: c.create_multipart_upload(Bucket=self.bucket, Key=full))
+        upload = await self._call(
+            f"CREATE MULTIPART {key}", lambda c: c.create_multipart_upload(Bucket=self.bucket, Key=full)
+        )
         upload_id = upload["UploadId"]
         part = self.config.part_size
 
         async def send(number: int, offset: int) -> dict:
             body = bytes(data[offset : offset + part])
-            resp = await self._call(f"PUT {key} part {number}", lambda c: c.upload_part(
-                Bucket=self.bucket, Key=full, UploadId=upload_id, PartNumber=number, Body=body))
+            resp = await self._call(
+                f"PUT {key} part {number}",
+                lambda c: c.upload_part(Bucket=self.bucket, Key=full, UploadId=upload_id, PartNumber=number, Body=body),
+            )
             return {"PartNumber": number, "ETag": resp["ETag"]}
 
         try:
             parts = await asyncio.gather(*(send(i + 1, off) for i, off in enumerate(range(0, len(data), part))))
-            await self._call(f"COMPLETE MULTIPART {key}", lambda c: c.complete_multipart_upload(
-                Bucket=self.bucket, Key=full, UploadId=upload_id, MultipartUpload={"Parts": list(parts)}))
+            await self._call(
+                f"COMPLETE MULTIPART {key}",
+                lambda c: c.complete_multipart_upload(
+                    Bucket=self.bucket, Key=full, UploadId=upload_id, MultipartUpload={"Parts": list(parts)}
+                ),
+            )
         except BaseException:
-            await self._call(f"ABORT MULTIPART {key}", lambda c: c.abort_multipart_upload(
-                Bucket=self.bucket, Key=full, UploadId=upload_id))
+            await self._call(
+                f"ABORT MULTIPART {key}",
+                lambda c: c.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id),
+            )
             raise
 
     async def delete(self, key: str) -> None:

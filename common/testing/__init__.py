@@ -44,8 +44,9 @@ class RecordingAdapter(EngineAdapter):
         if self.arena_dir is None:
             return None
         if self.arenas is None:  # one slot per tensor: this "engine" fuses nothing
-            layout = ArenaLayout.build([(n, d, s) for n, (d, s) in sorted(specs.items())],
-                                       {n: (n, 0, d, s) for n, (d, s) in specs.items()})
+            layout = ArenaLayout.build(
+                [(n, d, s) for n, (d, s) in sorted(specs.items())], {n: (n, 0, d, s) for n, (d, s) in specs.items()}
+            )
             self.arenas = ArenaPair(self.arena_dir, layout)
         return self.arenas.spare_tensors()
 

@@ -35,15 +35,27 @@ import pytest
 #: Per model family, the partial deltas published one step each: (what moves, a regular expression
 #: over checkpoint names). Each leaves other tensors of the same engine module unchanged.
 PARTIAL_DELTAS: dict[str, list[tuple[str, str]]] = {
-    "llama": [("one constituent of each fused module (k_proj; up_proj)",
-               r"layers\.0\.self_attn\.k_proj\.|layers\.1\.mlp\.up_proj\.")],
-    "qwen2": [("the q/k/v biases alone", r"layers\.0\.self_attn\.[qkv]_proj\.bias"),
-              ("one constituent of a fused module (v_proj weight)", r"layers\.1\.self_attn\.v_proj\.weight")],
+    "llama": [
+        (
+            "one constituent of each fused module (k_proj; up_proj)",
+            r"layers\.0\.self_attn\.k_proj\.|layers\.1\.mlp\.up_proj\.",
+        )
+    ],
+    "qwen2": [
+        ("the q/k/v biases alone", r"layers\.0\.self_attn\.[qkv]_proj\.bias"),
+        ("one constituent of a fused module (v_proj weight)", r"layers\.1\.self_attn\.v_proj\.weight"),
+    ],
     "qwen3": [("the embedding alone of a tied model", r"embed_tokens")],
-    "qwen3_moe": [("one expert of one layer", r"layers\.0\.mlp\.experts\.3\."),
-                  ("the router alone", r"layers\.1\.mlp\.gate\.weight")],
-    "qwen2_moe": [("one routed expert and the shared expert's gate",
-                   r"layers\.1\.mlp\.experts\.5\.|layers\.0\.mlp\.shared_expert_gate\.")],
+    "qwen3_moe": [
+        ("one expert of one layer", r"layers\.0\.mlp\.experts\.3\."),
+        ("the router alone", r"layers\.1\.mlp\.gate\.weight"),
+    ],
+    "qwen2_moe": [
+        (
+            "one routed expert and the shared expert's gate",
+            r"layers\.1\.mlp\.experts\.5\.|layers\.0\.mlp\.shared_expert_gate\.",
+        )
+    ],
 }
 
 #: Token-id prompts whose logprobs are compared (short, long, repeated tokens).
@@ -125,8 +137,14 @@ class EngineExactnessTests:
         base = self.make_checkpoint(self.family, workdir / "step-0")
         store = workdir / "store"
         self.publish(store, 0, base)
-        settings = {"store": store.as_uri(), "poll_interval": 0.2, "drain": "wait", "swap_path": self.swap_path,
-                    "verify_swaps": True, **self.settings}
+        settings = {
+            "store": store.as_uri(),
+            "poll_interval": 0.2,
+            "drain": "wait",
+            "swap_path": self.swap_path,
+            "verify_swaps": True,
+            **self.settings,
+        }
         server = self.start_server(base, workdir, settings, "plugin.log")
         try:
             wait_for(server.url, lambda s: s["current_step"] == 0 and s.get("swap_path") is not None, 300)
@@ -151,6 +169,7 @@ class EngineExactnessTests:
             checkpoint = self.perturb(chain.checkpoints[-1], chain.workdir / f"step-{step}", only, seed=step)
             chain.checkpoints.append(checkpoint)
             self.publish(chain.store, step, checkpoint)
+
             def reached(s: dict[str, Any], n: int = step) -> bool:
                 return bool(s["current_step"] == n or s["failures"] > 0)
 
@@ -164,7 +183,8 @@ class EngineExactnessTests:
             assert reference != before, f"step {step} ({what}) changes no logprob: the check could not fail"
             assert served == reference, (
                 f"{self.family}, step {step} ({what}), {st['swap_path']} path: served logprobs differ from a fresh "
-                f"server's on the same checkpoint, max |difference| {_max_difference(served, reference):.3g}")
+                f"server's on the same checkpoint, max |difference| {_max_difference(served, reference):.3g}"
+            )
 
     # ------------------------------------------------------------------ helpers
 

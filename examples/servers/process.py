@@ -108,8 +108,9 @@ class Server:
 def _import_root() -> str:
     """This checkout's packages under their import names (made once per process by
     scripts/import_root.sh, which prints the folder)."""
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "import_root.sh")], check=True, capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "import_root.sh")], check=True, capture_output=True, text=True, timeout=60
+    )
     return out.stdout.strip()
 
 
@@ -121,18 +122,39 @@ def _with_this_checkout(env: dict[str, str]) -> dict[str, str]:
     return {**env, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
 
 
-def launch_server(argv: list[str], env: dict[str, str], log_path: Path, port: int, *, python: str | None = None,
-                  host: str = "127.0.0.1", prefix: Sequence[str] = ()) -> Server:
+def launch_server(
+    argv: list[str],
+    env: dict[str, str],
+    log_path: Path,
+    port: int,
+    *,
+    python: str | None = None,
+    host: str = "127.0.0.1",
+    prefix: Sequence[str] = (),
+) -> Server:
     """Run ``[*prefix, python, *argv]`` (default python: this interpreter; a prefix such as
     ``ip netns exec NS`` runs it elsewhere) in its own process group with ``env`` added; the server
     is reached at ``host:port``. Returns at once."""
     log = open(log_path, "wb")
-    proc = subprocess.Popen([*prefix, python or sys.executable, *argv], env=_with_this_checkout({**os.environ, **env}),
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [*prefix, python or sys.executable, *argv],
+        env=_with_this_checkout({**os.environ, **env}),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     return Server(f"http://{host}:{port}", proc, log_path)
 
 
-def start_server(argv: list[str], env: dict[str, str], log_path: Path, port: int, timeout_s: float = 300,
-                 python: str | None = None, host: str = "127.0.0.1", prefix: Sequence[str] = ()) -> Server:
+def start_server(
+    argv: list[str],
+    env: dict[str, str],
+    log_path: Path,
+    port: int,
+    timeout_s: float = 300,
+    python: str | None = None,
+    host: str = "127.0.0.1",
+    prefix: Sequence[str] = (),
+) -> Server:
     """:func:`launch_server`, then wait until ``GET /health`` answers 200."""
     return launch_server(argv, env, log_path, port, python=python, host=host, prefix=prefix).wait_healthy(timeout_s)

@@ -25,16 +25,36 @@ def python() -> str:
     install on a GPU machine), else the CPU environment scripts/sglang_env.sh builds and caches."""
     if os.environ.get("DELTA_SWAP_SGLANG_PYTHON"):
         return os.environ["DELTA_SWAP_SGLANG_PYTHON"]
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "sglang_env.sh")], check=True, capture_output=True,
-                         text=True, timeout=3600)
+    out = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "sglang_env.sh")], check=True, capture_output=True, text=True, timeout=3600
+    )
     return str(Path(out.stdout.strip().splitlines()[-1]) / "bin" / "python")
 
 
-def command(model: Path, port: int, *, served_name: str = "model", settings: Mapping[str, object] | None = None,
-            extra: Sequence[str] = (), bind: str = "127.0.0.1") -> list[str]:
+def command(
+    model: Path,
+    port: int,
+    *,
+    served_name: str = "model",
+    settings: Mapping[str, object] | None = None,
+    extra: Sequence[str] = (),
+    bind: str = "127.0.0.1",
+) -> list[str]:
     """Arguments after ``python`` that start SGLang's server on ``model`` (plugin flags from ``settings``)."""
-    argv = ["-m", "sglang.launch_server", "--model-path", str(model), "--host", bind, "--port", str(port),
-            "--served-model-name", served_name, "--random-seed", "0"]
+    argv = [
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(model),
+        "--host",
+        bind,
+        "--port",
+        str(port),
+        "--served-model-name",
+        served_name,
+        "--random-seed",
+        "0",
+    ]
     if device() == "cpu":
         argv += ["--max-total-tokens", "4096", "--device", "cpu", "--attention-backend", "torch_native"]
     else:
@@ -46,8 +66,11 @@ def command(model: Path, port: int, *, served_name: str = "model", settings: Map
 
 def environment(*, plugin: bool = True, shim_log: Path | None = None) -> dict[str, str]:
     """What SGLang needs on this machine; ``shim_log`` records any call of the sgl_kernel test shim."""
-    env = {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
-           "SGLANG_PLUGINS": "delta_swap" if plugin else "none"}  # an allowlist naming no plugin: plain SGLang
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+        "SGLANG_PLUGINS": "delta_swap" if plugin else "none",
+    }  # an allowlist naming no plugin: plain SGLang
     if device() == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"
     if shim_log is not None:
@@ -55,10 +78,22 @@ def environment(*, plugin: bool = True, shim_log: Path | None = None) -> dict[st
     return env
 
 
-def start(model: Path, workdir: Path, *, settings: Mapping[str, object] | None = None, plugin: bool = True,
-          served_name: str = "model", extra: Sequence[str] = (), env: Mapping[str, str] | None = None,
-          shim_log: Path | None = None, log_name: str = "sglang.log", timeout_s: float = 300, wait: bool = True,
-          host: str = "127.0.0.1", prefix: Sequence[str] = ()) -> Server:
+def start(
+    model: Path,
+    workdir: Path,
+    *,
+    settings: Mapping[str, object] | None = None,
+    plugin: bool = True,
+    served_name: str = "model",
+    extra: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    shim_log: Path | None = None,
+    log_name: str = "sglang.log",
+    timeout_s: float = 300,
+    wait: bool = True,
+    host: str = "127.0.0.1",
+    prefix: Sequence[str] = (),
+) -> Server:
     """Start SGLang on ``model`` and (with ``wait``) wait until it answers ``/health``. With a
     ``prefix`` (e.g. ``ip netns exec NS``) it runs there; reached at a ``host`` other than
     loopback, it listens on every address."""
@@ -66,7 +101,13 @@ def start(model: Path, workdir: Path, *, settings: Mapping[str, object] | None =
     port = free_port()
     settings = with_freshness_record(settings, workdir)
     full_env = {**environment(plugin=plugin, shim_log=shim_log), **(env or {})}
-    argv = command(model, port, served_name=served_name, settings=settings if plugin else None, extra=extra,
-                   bind="127.0.0.1" if host == "127.0.0.1" else "0.0.0.0")
+    argv = command(
+        model,
+        port,
+        served_name=served_name,
+        settings=settings if plugin else None,
+        extra=extra,
+        bind="127.0.0.1" if host == "127.0.0.1" else "0.0.0.0",
+    )
     server = launch_server(argv, full_env, workdir / log_name, port, python=python(), host=host, prefix=prefix)
     return server.wait_healthy(timeout_s) if wait else server

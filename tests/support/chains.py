@@ -5,11 +5,18 @@ from __future__ import annotations
 import torch
 
 
-def rl_steps(n_steps: int, *, seed: int = 0, lr: float = 2e-5, shapes: dict | None = None) -> list[dict[str, torch.Tensor]]:
+def rl_steps(
+    n_steps: int, *, seed: int = 0, lr: float = 2e-5, shapes: dict | None = None
+) -> list[dict[str, torch.Tensor]]:
     """bf16 snapshots of fp32 master weights nudged a little each step, as an RL optimizer does."""
     gen = torch.Generator().manual_seed(seed)
-    shapes = shapes or {"embed.weight": (64, 32), "layers.0.q.weight": (32, 32), "layers.0.k.weight": (16, 32),
-                        "layers.0.norm.weight": (32,), "lm_head.weight": (64, 32)}
+    shapes = shapes or {
+        "embed.weight": (64, 32),
+        "layers.0.q.weight": (32, 32),
+        "layers.0.k.weight": (16, 32),
+        "layers.0.norm.weight": (32,),
+        "lm_head.weight": (64, 32),
+    }
     master = {k: torch.randn(s, generator=gen) * 0.02 for k, s in shapes.items()}
     out = []
     for _ in range(n_steps):
@@ -25,4 +32,6 @@ def assert_state_equal(state, expected: dict[str, torch.Tensor]) -> None:
     for name, tensor in expected.items():
         got = state[name].to_torch()
         assert got.dtype == tensor.dtype and got.shape == tensor.shape, name
-        assert torch.equal(got.view(torch.uint8) if got.dim() else got, tensor.view(torch.uint8) if tensor.dim() else tensor), name
+        assert torch.equal(
+            got.view(torch.uint8) if got.dim() else got, tensor.view(torch.uint8) if tensor.dim() else tensor
+        ), name

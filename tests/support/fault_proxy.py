@@ -72,13 +72,23 @@ class FaultProxy:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "content-length")}
         body = await request.read()
         async with aiohttp.ClientSession(auto_decompress=False) as session:
-            async with session.request(request.method, self.upstream + request.rel_url.raw_path_qs, headers=headers,
-                                       data=body, allow_redirects=False) as up:
+            async with session.request(
+                request.method,
+                self.upstream + request.rel_url.raw_path_qs,
+                headers=headers,
+                data=body,
+                allow_redirects=False,
+            ) as up:
                 payload = await up.read()
                 self.log.append((request.method, request.path, up.status))
-                resp = web.StreamResponse(status=up.status, headers={
-                    k: v for k, v in up.headers.items() if k.lower() not in ("transfer-encoding", "content-length",
-                                                                          "connection", "content-encoding")})
+                resp = web.StreamResponse(
+                    status=up.status,
+                    headers={
+                        k: v
+                        for k, v in up.headers.items()
+                        if k.lower() not in ("transfer-encoding", "content-length", "connection", "content-encoding")
+                    },
+                )
                 length = up.headers.get("content-length") if request.method == "HEAD" else None
                 resp.content_length = int(length) if length is not None else len(payload)
                 await resp.prepare(request)

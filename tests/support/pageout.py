@@ -89,8 +89,13 @@ def library_pages_out_after(load: str, name_part: str) -> tuple[int, int]:
     its resident kB (before, after): the ground truth of whether this host drops the pages that
     code touched, now, whoever else maps them (other users and PID namespaces included, which
     :func:`other_processes_mapping` cannot see)."""
-    done = subprocess.run([sys.executable, "-c", load + "\n" + _PROBE, name_part, str(_MADV_PAGEOUT)],
-                          capture_output=True, text=True, timeout=600, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", load + "\n" + _PROBE, name_part, str(_MADV_PAGEOUT)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
     before, after = map(int, done.stdout.split()[-2:])
     return before, after
 
@@ -136,9 +141,15 @@ def why_pages_stay(name_part: str, load: str) -> str | None:
     if after < before / 4:
         return None
     others = other_processes_mapping(name_part)
-    causes = [f"{len(others)} other process(es) map it: {', '.join(others[:4])}" if others else
-              "no other process this user can see maps it", f"{own} kB stay resident in the calling process"]
+    causes = [
+        f"{len(others)} other process(es) map it: {', '.join(others[:4])}"
+        if others
+        else "no other process this user can see maps it",
+        f"{own} kB stay resident in the calling process",
+    ]
     if not kernel_pages_out_private_file_mappings():
         causes.insert(0, "this kernel does not page out a private 8 MB file mapping either")
-    return (f"MADV_PAGEOUT alone left {after} of {before} kB of {name_part} resident in a fresh process "
-            f"that loaded it the same way ({'; '.join(causes)})")
+    return (
+        f"MADV_PAGEOUT alone left {after} of {before} kB of {name_part} resident in a fresh process "
+        f"that loaded it the same way ({'; '.join(causes)})"
+    )

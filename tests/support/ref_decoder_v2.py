@@ -7,8 +7,23 @@ from __future__ import annotations
 import zstandard
 
 FLOATS = {"BF16": (16, 7, 8), "F16": (16, 10, 5), "F32": (32, 23, 8)}
-SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-         "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+SIZES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
 
 
 class Bad(Exception):
@@ -158,8 +173,19 @@ def decode(old: bytes | None, payload: bytes, dtype: str) -> bytes:
             freqs = [rd.varint(4096) for _ in range(t)]
             if sum(freqs) != 4096:
                 raise Bad("table sum")
-        classes.append({"lo": lo, "hi": hi, "dense": dense, "mode": mode, "n_events": n_events,
-                        "n_changes": n_class_changes, "m": m, "mag_m": mag_m, "freqs": freqs})
+        classes.append(
+            {
+                "lo": lo,
+                "hi": hi,
+                "dense": dense,
+                "mode": mode,
+                "n_events": n_events,
+                "n_changes": n_class_changes,
+                "m": m,
+                "mag_m": mag_m,
+                "freqs": freqs,
+            }
+        )
     if sum(c["n_changes"] for c in classes) != n_changed or sum(c["n_events"] for c in classes) > n:
         raise Bad("class sums")
     nbits = rd.varint(8 * len(payload))
@@ -344,5 +370,4 @@ def _sign_model(rd: Bytes, n: int, n_rows: int, row_len: int, n_changed: int) ->
         words = [int.from_bytes(rd.take(2), "little") for _ in range(flip_len // 2)]
         for i, symbol in enumerate(_rans_symbols(words, f8, len(range(k, n_bytes, 4)))):
             flips[k + 4 * i] = symbol
-    return {"flips": bytes(flips),
-            "negative": lambda i, j: sum(a * b for a, b in zip(rows[i], cols[j])) < 0}
+    return {"flips": bytes(flips), "negative": lambda i, j: sum(a * b for a, b in zip(rows[i], cols[j])) < 0}

@@ -90,8 +90,9 @@ def undone_on_failure(store: Path) -> Iterator[None]:
         raise
 
 
-def stage_tampered(store: Path, scratch: Path, step: int, model: Path, tamper: Callable[[Path], None],
-                   creds: Credentials | None) -> None:
+def stage_tampered(
+    store: Path, scratch: Path, step: int, model: Path, tamper: Callable[[Path], None], creds: Credentials | None
+) -> None:
     """Publish ``step`` into a copy of the store, damage it, then commit it to the live store
     as the publisher does (the snapshot's files, then HEAD)."""
     shutil.copytree(store, scratch, dirs_exist_ok=True)
@@ -123,8 +124,9 @@ def claim_to_follow_step_2(snapshot: Path) -> None:
     manifest.write_text(json.dumps(doc))
 
 
-def bad_snapshots_never_reach_the_model(url: str, store: Path, models: dict[str, Path], tmp_path: Path,
-                                    serves_d: Callable[[], None], creds: Credentials) -> None:
+def bad_snapshots_never_reach_the_model(
+    url: str, store: Path, models: dict[str, Path], tmp_path: Path, serves_d: Callable[[], None], creds: Credentials
+) -> None:
     """From a server on step 3 (model D): a corrupt delta (step 4), an out-of-order one whose
     manifest was edited (5: its signature no longer matches) and a missing link (7 without 6) are
     all refused while ``serves_d`` keeps passing; once step 6 shows up the server catches up to 7
@@ -142,8 +144,9 @@ def bad_snapshots_never_reach_the_model(url: str, store: Path, models: dict[str,
         raise
 
 
-def _bad_snapshots(url: str, store: Path, models: dict[str, Path], tmp_path: Path,
-                   serves_d: Callable[[], None], creds: Credentials) -> None:
+def _bad_snapshots(
+    url: str, store: Path, models: dict[str, Path], tmp_path: Path, serves_d: Callable[[], None], creds: Credentials
+) -> None:
     before = status(url)["failures"]
     stage_tampered(store, tmp_path / "s1", 4, models["E"], flip_a_shard_bit, creds)
     st = wait_for(url, lambda s: s["failures"] > before)
@@ -175,9 +178,16 @@ def _bad_snapshots(url: str, store: Path, models: dict[str, Path], tmp_path: Pat
     serves_d()
 
 
-def untrusted_inputs_never_reach_the_model(url: str, store: Path, models: dict[str, Path], tmp_path: Path,
-                                           serves_d: Callable[[], None], creds: Credentials, served: int,
-                                           step: int) -> None:
+def untrusted_inputs_never_reach_the_model(
+    url: str,
+    store: Path,
+    models: dict[str, Path],
+    tmp_path: Path,
+    serves_d: Callable[[], None],
+    creds: Credentials,
+    served: int,
+    step: int,
+) -> None:
     """From a server on step ``served`` (model D), with a trusted key and an admin token: an
     unsigned snapshot (as ``step``), a HEAD that claims a future step, POSTs without the token
     and a storm of 50 concurrent resyncs all leave it serving D, and status says what happened."""
@@ -200,12 +210,20 @@ def untrusted_inputs_never_reach_the_model(url: str, store: Path, models: dict[s
 
         for route in ("resync", "notify"):
             assert httpx.post(f"{url}/delta_swap/{route}", timeout=30).status_code == 401
-            assert httpx.post(f"{url}/delta_swap/{route}", headers={"Authorization": "Bearer wrong"},
-                              timeout=30).status_code == 401
+            assert (
+                httpx.post(
+                    f"{url}/delta_swap/{route}", headers={"Authorization": "Bearer wrong"}, timeout=30
+                ).status_code
+                == 401
+            )
         updates_before = status(url)["updates_applied"]
         with ThreadPoolExecutor(50) as pool:
-            codes = list(pool.map(lambda _: httpx.post(f"{url}/delta_swap/resync", headers=creds.headers(),
-                                                       timeout=300).status_code, range(50)))
+            codes = list(
+                pool.map(
+                    lambda _: httpx.post(f"{url}/delta_swap/resync", headers=creds.headers(), timeout=300).status_code,
+                    range(50),
+                )
+            )
         # Resyncs never overlap: the calls that arrive while one runs get 409, each 200 is one resync.
         assert set(codes) <= {200, 409} and codes.count(409) >= 1 and codes.count(200) >= 1, codes
         st = wait_for(url, lambda s: s["current_step"] == served and s["last_error"] is None)
@@ -214,8 +232,15 @@ def untrusted_inputs_never_reach_the_model(url: str, store: Path, models: dict[s
         serves_d()
 
 
-def swaps_under_load(server: Server, store: Path, weights: dict, request: Callable[[httpx.Client, int], object],
-                     first_step: int, creds: Credentials, swaps: int = 50) -> dict:
+def swaps_under_load(
+    server: Server,
+    store: Path,
+    weights: dict,
+    request: Callable[[httpx.Client, int], object],
+    first_step: int,
+    creds: Credentials,
+    swaps: int = 50,
+) -> dict:
     """Publish ``swaps`` RL-sized updates of ``weights`` one after another, each applied before the
     next, while two clients keep calling ``request``; no request may fail. Returns the status.
 
@@ -277,18 +302,24 @@ def swaps_under_load(server: Server, store: Path, weights: dict, request: Callab
     failed = [c for c in calls if c[4] is not None]
     slowest = max(calls, key=lambda c: c[3] - c[2], default=None)
     most_idle = max(calls, key=lambda c: c[1], default=None)
-    print(f"{len(calls)} requests over {swaps} swaps; slowest {slowest}; longest idle before one {most_idle}; "
-          f"answered by a closed connection and sent again: {disconnects}")
+    print(
+        f"{len(calls)} requests over {swaps} swaps; slowest {slowest}; longest idle before one {most_idle}; "
+        f"answered by a closed connection and sent again: {disconnects}"
+    )
     if not calls or failed or len(disconnects) > 1:
         first = min([c[2] for c in failed] + [d[2] for d in disconnects], default=None)
         lines = [f"{len(failed)} of {len(calls)} requests failed (client, idle before s, start s, end s, error):"]
         lines += [f"  {c}" for c in failed[:5]]
         lines += [f"{len(disconnects)} answered by a closed connection (client, idle before s, start s, error):"]
         lines += [f"  {d}" for d in disconnects[:5]]
-        lines += [f"slowest request: {slowest}", f"longest idle before a request: {most_idle}",
-                  f"steps (step, published s, serving s) near the failures: "
-                  f"{[p for p in published if first is not None and abs(p[1] - first) < 10]}",
-                  f"last update timings: {st['last_update_timings_s']}", "server log, access lines left out:"]
+        lines += [
+            f"slowest request: {slowest}",
+            f"longest idle before a request: {most_idle}",
+            f"steps (step, published s, serving s) near the failures: "
+            f"{[p for p in published if first is not None and abs(p[1] - first) < 10]}",
+            f"last update timings: {st['last_update_timings_s']}",
+            "server log, access lines left out:",
+        ]
         log = server.log_path.read_text(errors="replace").splitlines()
         lines += [line for line in log if '" 200 OK' not in line][-60:]
         raise AssertionError("\n".join(lines))

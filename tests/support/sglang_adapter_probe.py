@@ -37,10 +37,16 @@ def state(fill: int) -> dict[str, HostTensor]:
     return {name: tensor(dtype, shape, fill) for name, (dtype, shape) in LAYOUT.items()}
 
 
-def update(sid: str, new: dict[str, HostTensor], previous: dict[str, HostTensor] | None,
-           names: tuple[str, ...] | None = None) -> WeightUpdate:
-    return WeightUpdate(version=sid, state=new, names=tuple(sorted(new)) if names is None else names,
-                        previous=previous, checksums={n: checksum(t.data) for n, t in new.items()})
+def update(
+    sid: str, new: dict[str, HostTensor], previous: dict[str, HostTensor] | None, names: tuple[str, ...] | None = None
+) -> WeightUpdate:
+    return WeightUpdate(
+        version=sid,
+        state=new,
+        names=tuple(sorted(new)) if names is None else names,
+        previous=previous,
+        checksums={n: checksum(t.data) for n, t in new.items()},
+    )
 
 
 class FakeTokenizerManager:
@@ -88,7 +94,7 @@ class FakeTokenizerManager:
         for payload in obj.serialized_named_tensors:  # one per TP rank, each read with SGLang's safe unpickler
             bucket = MultiprocessingSerializer.deserialize(payload)
             flat = bucket["flattened_tensor"]
-            per_rank.append({m.name: flat[m.start_idx:m.end_idx].numpy().tobytes() for m in bucket["metadata"]})
+            per_rank.append({m.name: flat[m.start_idx : m.end_idx].numpy().tobytes() for m in bucket["metadata"]})
         assert all(r == per_rank[0] for r in per_rank)
         self.ranks = len(per_rank)
         self.loaded.append(per_rank[0])
@@ -105,8 +111,9 @@ class FakeTokenizerManager:
         self.version = obj.new_version
 
 
-async def swap(tm: FakeTokenizerManager, drain: str, up: WeightUpdate, timeout: float = 30.0,
-               tp_size: int = 1) -> dict[str, float]:
+async def swap(
+    tm: FakeTokenizerManager, drain: str, up: WeightUpdate, timeout: float = 30.0, tp_size: int = 1
+) -> dict[str, float]:
     """One update through the core's skeleton and the real adapter."""
     adapter = SglangAdapter(tm, ServedModel("/nonexistent", LAYOUT), tp_size=tp_size)
     settings = Settings(store="file:///unused", drain=DrainPolicy(drain), drain_timeout=timeout)
@@ -155,8 +162,11 @@ async def main() -> None:
     except asyncio.TimeoutError:
         check(False, f"the running request was never aborted: {tm.calls}")
     check(held == [True], "new requests are held while the running ones are aborted")
-    check(tm.calls == ["abort_all", "pause:retract", "begin", "update:s2", "end", "begin", "update:v0", "end",
-                       "continue"], f"rollback calls {tm.calls}")
+    check(
+        tm.calls
+        == ["abort_all", "pause:retract", "begin", "update:s2", "end", "begin", "update:v0", "end", "continue"],
+        f"rollback calls {tm.calls}",
+    )
     check(tm.flushes == [True, True], "abort mode flushes the radix cache")
     check(tm.loaded[1] == {n: t.data.tobytes() for n, t in old.items()}, "rollback loads the previous bytes")
     check(tm.version == "v0" and not tm.is_pause, "previous version, not paused")
@@ -201,7 +211,9 @@ async def main() -> None:
     queued = asyncio.create_task(lock.acquire_reader())  # a new request, held behind the drain
     deadline = asyncio.get_running_loop().time() + 5
     while not swapping.done():
-        check(asyncio.get_running_loop().time() < deadline, f"the update waited for a request that never ends: {tm.calls}")
+        check(
+            asyncio.get_running_loop().time() < deadline, f"the update waited for a request that never ends: {tm.calls}"
+        )
         check(not queued.done() or "continue" in tm.calls, f"a new request ran during the update: {tm.calls}")
         await asyncio.sleep(0.005)
     await swapping
@@ -226,8 +238,10 @@ async def main() -> None:
 
     tm.during_update = end_during_the_swap
     await asyncio.wait_for(swap(tm, "wait", update("s7", new, old), timeout=0.2), 5)
-    check(tm.calls[-1] == "continue" and not lock._writer_active and lock._waiting_writers == 0,
-          f"lock left held: {tm.calls}")
+    check(
+        tm.calls[-1] == "continue" and not lock._writer_active and lock._waiting_writers == 0,
+        f"lock left held: {tm.calls}",
+    )
     await asyncio.wait_for(lock.acquire_reader(), 5)  # a new request runs
     print("ok: wait keeps the lock granted mid-swap")
 

@@ -47,5 +47,19 @@ from .encoder import CLASS_COST, ZSTD_LEVEL, encode_delta, encode_full
 from .samples import warm_up
 from .wire import FLAG_SIGN_MODEL, FLOATS, MAGIC, METHOD_FULL, METHOD_ULP, METHOD_XOR
 
-__all__ = ["CLASS_COST", "FLAG_SIGN_MODEL", "FLOATS", "MAGIC", "METHOD_FULL", "METHOD_ULP", "METHOD_XOR", "ZSTD_LEVEL",
-           "decode_into", "encode_delta", "encode_full", "full_payload_nbytes", "payload_is_delta", "warm_up"]
+__all__ = [
+    "CLASS_COST",
+    "FLAG_SIGN_MODEL",
+    "FLOATS",
+    "MAGIC",
+    "METHOD_FULL",
+    "METHOD_ULP",
+    "METHOD_XOR",
+    "ZSTD_LEVEL",
+    "decode_into",
+    "encode_delta",
+    "encode_full",
+    "full_payload_nbytes",
+    "payload_is_delta",
+    "warm_up",
+]

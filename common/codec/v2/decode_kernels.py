@@ -12,7 +12,7 @@ from .encode_kernels import flip_byte_freqs
 from .jit import inline, kernel
 from .wire import RANS_L, SCALE, SCALE_BITS
 
-SENTINEL = 1 << 62   # gap after a class's last event: never reached
+SENTINEL = 1 << 62  # gap after a class's last event: never reached
 
 
 @inline
@@ -38,9 +38,30 @@ def _rans_step(x, wp, slots, rans, last):
 
 
 @kernel
-def dec_streams(words, nbits, n_rows, row_mode, n_row_events, row_m, n_events, cls_m, ev, ev_off,
-                 mag_mode, mag_m, mag_T, freqs, freq_off, val_off, n_class_changes, signs, rans, vals, row_dead,
-                 max_mag):
+def dec_streams(
+    words,
+    nbits,
+    n_rows,
+    row_mode,
+    n_row_events,
+    row_m,
+    n_events,
+    cls_m,
+    ev,
+    ev_off,
+    mag_mode,
+    mag_m,
+    mag_T,
+    freqs,
+    freq_off,
+    val_off,
+    n_class_changes,
+    signs,
+    rans,
+    vals,
+    row_dead,
+    max_mag,
+):
     """Decode the row flags, each class's gaps (into ev, sentinel-terminated per class) and the
     signed steps (into vals). Returns 0 or a negative error code.
 
@@ -244,7 +265,7 @@ WALKS = {"BF16": _make_walk(7, 16), "F16": _make_walk(10, 16), "F32": _make_walk
 @inline
 def _flip_words(p, at, nbytes):
     words = np.empty(nbytes // 2, np.uint16)
-    words.view(np.uint8)[:] = p[at:at + nbytes]
+    words.view(np.uint8)[:] = p[at : at + nbytes]
     return words
 
 

@@ -79,8 +79,9 @@ def _apply_ulp(p: np.ndarray, pos: int, elems: np.ndarray, dtype: str, flags: in
         raise CorruptDataError(f"corrupt v2 delta payload: {ERRORS.get(err, 'inconsistent')} (code {err})")
 
 
-def _apply_ulp_with(scratch: _Scratch, p: np.ndarray, pos: int, elems: np.ndarray, dtype: str, exp_bits: int,
-                    full: int, flags: int = 0) -> int:
+def _apply_ulp_with(
+    scratch: _Scratch, p: np.ndarray, pos: int, elems: np.ndarray, dtype: str, exp_bits: int, full: int, flags: int = 0
+) -> int:
     layout = np.zeros(1, LAYOUT)
     err = parse_ulp(p, pos, elems.size, exp_bits, full, flags, scratch.i64, scratch.u8, layout)
     if err == 2:  # sizes were validated against n and the payload length before this request
@@ -92,24 +93,60 @@ def _apply_ulp_with(scratch: _Scratch, p: np.ndarray, pos: int, elems: np.ndarra
         lay = UlpLayout(*layout[0].tolist())
         K, S, D, row_len, n_rows = lay.n_classes, lay.n_sparse, lay.dense_first, lay.walk_row_len, lay.n_rows
         predict, pred_len, c_at = lay.predict, lay.row_len, lay.codes_at_u8
-        table = i64s[lay.table_at:lay.table_at + 64].view(np.uint64)
+        table = i64s[lay.table_at : lay.table_at + 64].view(np.uint64)
         n_pred_rows = elems.size // pred_len if predict else 0
-        rc = u8s[c_at:c_at + n_pred_rows]
-        cc = u8s[c_at + n_pred_rows:c_at + n_pred_rows + (pred_len if predict else 0)]
+        rc = u8s[c_at : c_at + n_pred_rows]
+        cc = u8s[c_at + n_pred_rows : c_at + n_pred_rows + (pred_len if predict else 0)]
         E = 1 << exp_bits
         o_ = lay.lut_at
-        lut = i64s[o_:o_ + 2 * E]
+        lut = i64s[o_ : o_ + 2 * E]
         o_ += 2 * E
-        cnt, evp, vp, vend, evend = (i64s[o_ + j * (K + 1):o_ + (j + 1) * (K + 1)] for j in range(5))
-        ev = i64s[:lay.n_event_slots]
-        vals = i64s[lay.n_event_slots:lay.n_event_slots + lay.n_changed]
+        cnt, evp, vp, vend, evend = (i64s[o_ + j * (K + 1) : o_ + (j + 1) * (K + 1)] for j in range(5))
+        ev = i64s[: lay.n_event_slots]
+        vals = i64s[lay.n_event_slots : lay.n_event_slots + lay.n_changed]
         row_dead = u8s[:n_rows] if n_rows else np.zeros(1, np.uint8)
         if dtype == "BF16" and select_apply.AVAILABLE and elems.flags.c_contiguous:
-            return select_apply.apply_bf16(scratch.select, elems, row_dead, row_len, n_rows, lut, S, D,
-                                           K, evp, vp, vend, evend, ev, vals, table, rc, cc, predict, pred_len)
+            return select_apply.apply_bf16(
+                scratch.select,
+                elems,
+                row_dead,
+                row_len,
+                n_rows,
+                lut,
+                S,
+                D,
+                K,
+                evp,
+                vp,
+                vend,
+                evend,
+                ev,
+                vals,
+                table,
+                rc,
+                cc,
+                predict,
+                pred_len,
+            )
         u64 = np.uint64
-        err = WALKS[dtype](elems, lut.view(u64), D, row_dead, row_len, cnt.view(u64), evp.view(u64), ev, vp.view(u64),
-                            vend.view(u64), vals, table, rc, cc, predict, pred_len)
+        err = WALKS[dtype](
+            elems,
+            lut.view(u64),
+            D,
+            row_dead,
+            row_len,
+            cnt.view(u64),
+            evp.view(u64),
+            ev,
+            vp.view(u64),
+            vend.view(u64),
+            vals,
+            table,
+            rc,
+            cc,
+            predict,
+            pred_len,
+        )
         if err == 0:
             err = check_consumed(evp, evend, vp, vend, S)
     return err

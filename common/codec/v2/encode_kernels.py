@@ -9,7 +9,7 @@ from .bitio import bitlen, golomb_len, golomb_params, golomb_write, put, put_lon
 from .jit import inline, kernel
 from .wire import MAX_T, RANS_L, SCALE, SCALE_BITS
 
-HIST_BINS = 258      # encoder statistics: |step|-1 histogram 0..256, bin 257 = overflow
+HIST_BINS = 258  # encoder statistics: |step|-1 histogram 0..256, bin 257 = overflow
 
 
 @inline
@@ -200,8 +200,7 @@ def golomb_best_m(g, m_hint):
 
 
 @kernel
-def write_bits(buf, row_ev, row_m, ev, ev_off, n_events, cls_m, vals, val_off, n_class_changes, mag_mode, mag_m,
-               mag_T):
+def write_bits(buf, row_ev, row_m, ev, ev_off, n_events, cls_m, vals, val_off, n_class_changes, mag_mode, mag_m, mag_T):
     """The bitstream: row gaps, each class's event gaps, then each class's magnitudes (Golomb
     codes, or the escape payloads of rANS-coded ones). Returns its length in bits."""
     st = np.zeros(3, np.uint64)
@@ -270,7 +269,7 @@ def rans_encode(vals, val_off, n_class_changes, mag_mode, mag_T, freqs, freq_off
         if mag_mode[c] != 2:
             continue
         T = mag_T[c]
-        f = freqs[freq_off[c]:freq_off[c] + T]
+        f = freqs[freq_off[c] : freq_off[c] + T]
         cum[0] = 0
         for s in range(T):
             cum[s + 1] = cum[s] + f[s]

@@ -34,7 +34,7 @@ from .wire import (
     varint,
 )
 
-MIN_ROW_LEN = 256    # shorter rows do not pay for their flags
+MIN_ROW_LEN = 256  # shorter rows do not pay for their flags
 ZSTD_LEVEL = 3
 #: What a class costs the decoder (a mask pass per 64 elements and its own parse setup), charged
 #: by the encoder's class plan in bits per change of the tensor (so the same share of every
@@ -109,8 +109,17 @@ def _segments(exps: np.ndarray, arg: np.ndarray) -> list[tuple[int, int]]:
     return segs[::-1]
 
 
-def _sign_section(u: np.ndarray, v: np.ndarray, vals: np.ndarray, lut_e: np.ndarray, mant_bits: int, E: int,
-                  shape: tuple[int, ...] | None, row_len: int, n_rows: int) -> tuple[int, bytes]:
+def _sign_section(
+    u: np.ndarray,
+    v: np.ndarray,
+    vals: np.ndarray,
+    lut_e: np.ndarray,
+    mant_bits: int,
+    E: int,
+    shape: tuple[int, ...] | None,
+    row_len: int,
+    n_rows: int,
+) -> tuple[int, bytes]:
     """(payload flags, the signs' bytes): raw sign bits, or, where it is smaller, a sign model
     (:mod:`.sign_model`) and the rANS-coded flips of ``vals`` (which are negated in place
     where the model predicts a negative step)."""
@@ -129,7 +138,7 @@ def _sign_section(u: np.ndarray, v: np.ndarray, vals: np.ndarray, lut_e: np.ndar
     model, predicted = fitted
     stored = np.where(predicted[order], -vals, vals)
     flips = np.zeros((stored.size + 7) // 8 * 8, np.uint8)
-    flips[:stored.size] = stored < 0
+    flips[: stored.size] = stored < 0
     nibbles = flips[0::4] | flips[1::4] << 1 | flips[2::4] << 2 | flips[3::4] << 3
     f4 = _quantize_freqs(np.bincount(nibbles, minlength=16))
     f8 = flip_byte_freqs(f4)
@@ -140,7 +149,7 @@ def _sign_section(u: np.ndarray, v: np.ndarray, vals: np.ndarray, lut_e: np.ndar
     section = model.to_bytes() + b"".join(varint(int(f)) for f in f4)
     for k in range(FLIP_STREAMS):
         nw = rans_encode_bytes(syms[k::FLIP_STREAMS].copy(), f8, buf)
-        coded = buf[buf.size - nw:].astype("<u2").tobytes()
+        coded = buf[buf.size - nw :].astype("<u2").tobytes()
         section += varint(len(coded)) + coded
     if len(section) >= len(raw):
         return 0, raw
@@ -148,8 +157,14 @@ def _sign_section(u: np.ndarray, v: np.ndarray, vals: np.ndarray, lut_e: np.ndar
     return FLAG_SIGN_MODEL, section
 
 
-def _encode_ulp(u: np.ndarray, v: np.ndarray, dtype: str, shape: tuple[int, ...] | None,
-                predict_signs: bool = True, class_cost: float = 0.0) -> tuple[bytes, int]:
+def _encode_ulp(
+    u: np.ndarray,
+    v: np.ndarray,
+    dtype: str,
+    shape: tuple[int, ...] | None,
+    predict_signs: bool = True,
+    class_cost: float = 0.0,
+) -> tuple[bytes, int]:
     """The ULP payload of old elements u -> new elements v, and the number of changes."""
     width, mant_bits, exp_bits = FLOATS[dtype]
     bits_w = 8 * width
@@ -194,7 +209,7 @@ def _encode_ulp(u: np.ndarray, v: np.ndarray, dtype: str, shape: tuple[int, ...]
     n_events = np.zeros(K, np.int64)
     n_class_changes = np.zeros(K, np.int64)
     for c, (lo, hi, nn, k) in enumerate(classes):
-        lut_e[lo:hi + 1] = c
+        lut_e[lo : hi + 1] = c
         dense[c] = k > nn - k
         n_events[c] = nn - k if dense[c] else k
         n_class_changes[c] = k
@@ -204,8 +219,21 @@ def _encode_ulp(u: np.ndarray, v: np.ndarray, dtype: str, shape: tuple[int, ...]
     ev = np.empty(int(n_events.sum()), np.int64)
     vals = np.empty(n_changed, np.int64)
     if K:
-        enc_walk(u, v, lut, row_alive, row_len, mant_bits, dense, np.append(ev_off, 0), np.append(val_off, 0),
-                  ev, vals, sign, full)
+        enc_walk(
+            u,
+            v,
+            lut,
+            row_alive,
+            row_len,
+            mant_bits,
+            dense,
+            np.append(ev_off, 0),
+            np.append(val_off, 0),
+            ev,
+            vals,
+            sign,
+            full,
+        )
     row_ev = np.zeros(0, np.int64)
     row_m = 1
     if row_mode:
@@ -219,10 +247,10 @@ def _encode_ulp(u: np.ndarray, v: np.ndarray, dtype: str, shape: tuple[int, ...]
     mag_T = np.zeros(K, np.int64)  # mode 2: the rANS table's size
     tables: dict[int, np.ndarray] = {}
     for c in range(K):
-        g = ev[ev_off[c]:ev_off[c] + n_events[c]]
+        g = ev[ev_off[c] : ev_off[c] + n_events[c]]
         if g.size:
             cls_m[c], _ = golomb_best_m(g, max(1.0, 0.69 * g.mean()))
-        mags = np.abs(vals[val_off[c]:val_off[c] + n_class_changes[c]]) - 1
+        mags = np.abs(vals[val_off[c] : val_off[c] + n_class_changes[c]]) - 1
         if mags.max() == 0:
             continue
         m2, gl = golomb_best_m(mags, max(1.0, 0.69 * mags.mean()))
@@ -254,15 +282,16 @@ def _encode_ulp(u: np.ndarray, v: np.ndarray, dtype: str, shape: tuple[int, ...]
 
     bound = (row_ev.size + ev.size + vals.size) * 112 // 64 + 4  # every code is at most 47 + 63 bits
     buf = np.zeros(bound, np.uint64)
-    nbits = write_bits(buf, row_ev, row_m, ev, ev_off, n_events, cls_m, vals, val_off, n_class_changes, mag_mode,
-                       mag_m, mag_T)
+    nbits = write_bits(
+        buf, row_ev, row_m, ev, ev_off, n_events, cls_m, vals, val_off, n_class_changes, mag_mode, mag_m, mag_T
+    )
     bits_bytes = buf.view(np.uint8)[: (nbits + 7) // 8].tobytes()
     flags, signs = _sign_section(u, v, vals, lut_e, mant_bits, E, shape if predict_signs else None, row_len, n_rows)
     rans_bytes = b""
     if tables:
         rbuf = np.zeros(vals.size * 2 + 8, np.uint16)
         nw = rans_encode(vals, val_off, n_class_changes, mag_mode, mag_T, freqs, freq_off, rbuf)
-        rans_bytes = rbuf[rbuf.size - nw:].astype("<u2").tobytes()
+        rans_bytes = rbuf[rbuf.size - nw :].astype("<u2").tobytes()
 
     out = bytearray(header(METHOD_ULP, width, n, flags))
     out += varint(n_changed) + varint(row_len)
@@ -287,9 +316,16 @@ def _encode_ulp(u: np.ndarray, v: np.ndarray, dtype: str, shape: tuple[int, ...]
     return bytes(out), n_changed
 
 
-def encode_delta(old: np.ndarray, new: np.ndarray, dtype: str, shape: tuple[int, ...] | None = None,
-                 zstd_level: int = ZSTD_LEVEL, dense_fraction: float = 0.125, predict_signs: bool = True,
-                 class_cost: float = CLASS_COST) -> bytes:
+def encode_delta(
+    old: np.ndarray,
+    new: np.ndarray,
+    dtype: str,
+    shape: tuple[int, ...] | None = None,
+    zstd_level: int = ZSTD_LEVEL,
+    dense_fraction: float = 0.125,
+    predict_signs: bool = True,
+    class_cost: float = CLASS_COST,
+) -> bytes:
     """A payload that rebuilds ``new`` from ``old`` (raw bytes of ``dtype``, same size).
 
     ``shape`` (optional) is the tensor's shape: rows of its last dimension that do not change at
@@ -304,8 +340,9 @@ def encode_delta(old: np.ndarray, new: np.ndarray, dtype: str, shape: tuple[int,
     width = _width(dtype, new.size)
     n = new.size // width
     if dtype in FLOATS:
-        payload, n_changed = _encode_ulp(readonly(old, UINT[width]), readonly(new, UINT[width]), dtype, shape,
-                                         predict_signs, class_cost)
+        payload, n_changed = _encode_ulp(
+            readonly(old, UINT[width]), readonly(new, UINT[width]), dtype, shape, predict_signs, class_cost
+        )
         if n_changed > dense_fraction * n:
             full = encode_full(new, dtype, zstd_level)
             if len(full) < len(payload):

@@ -73,8 +73,9 @@ def _key_caches_on_the_package() -> None:
         return PackageLocator
 
     if not any(cls.__name__.startswith("DeltaSwapCodec") for cls in CacheImpl._locator_classes):
-        CacheImpl._locator_classes[:0] = [stamped(cls) for cls in (UserProvidedCacheLocator, InTreeCacheLocator,
-                                                                   UserWideCacheLocator)]
+        CacheImpl._locator_classes[:0] = [
+            stamped(cls) for cls in (UserProvidedCacheLocator, InTreeCacheLocator, UserWideCacheLocator)
+        ]
 
 
 if sys.byteorder != "little":  # the kernels move bitstream words and rANS words as host integers

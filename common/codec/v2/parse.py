@@ -17,20 +17,20 @@ class UlpLayout(NamedTuple):
     """What :func:`parse_ulp` tells its caller about the arrays it left in the scratch (offsets
     are into the int64 scratch unless they say u8)."""
 
-    need_i64: int       #: status 2: int64 scratch the payload needs
-    need_u8: int        #: status 2: uint8 scratch the payload needs
-    dense_first: int    #: internal id of the first dense class (n_sparse + 1)
-    walk_row_len: int   #: row length the walk steps by (n_elements when there are no row flags)
-    n_sparse: int       #: sparse classes (internal ids 0..n_sparse-1; n_sparse is "no class")
-    n_classes: int      #: K
+    need_i64: int  #: status 2: int64 scratch the payload needs
+    need_u8: int  #: status 2: uint8 scratch the payload needs
+    dense_first: int  #: internal id of the first dense class (n_sparse + 1)
+    walk_row_len: int  #: row length the walk steps by (n_elements when there are no row flags)
+    n_sparse: int  #: sparse classes (internal ids 0..n_sparse-1; n_sparse is "no class")
+    n_classes: int  #: K
     n_event_slots: int  #: every class's events plus one sentinel each: ev = i64[:n_event_slots]
-    n_changed: int      #: vals = i64[n_event_slots:n_event_slots + n_changed]
-    n_rows: int         #: rows of the row flags (u8[:n_rows]); 0 without row flags
-    lut_at: int         #: the class lookup table, then cnt, evp, vp, vend, evend
-    predict: int        #: 1 if the signs are predicted (docs/FORMAT.md, "Predicted signs")
-    table_at: int       #: the sign model's 64-entry prediction table
-    row_len: int        #: row_len of the payload (the sign model's column count)
-    codes_at_u8: int    #: the sign model's row codes, then its column codes, in the u8 scratch
+    n_changed: int  #: vals = i64[n_event_slots:n_event_slots + n_changed]
+    n_rows: int  #: rows of the row flags (u8[:n_rows]); 0 without row flags
+    lut_at: int  #: the class lookup table, then cnt, evp, vp, vend, evend
+    predict: int  #: 1 if the signs are predicted (docs/FORMAT.md, "Predicted signs")
+    table_at: int  #: the sign model's 64-entry prediction table
+    row_len: int  #: row_len of the payload (the sign model's column count)
+    codes_at_u8: int  #: the sign model's row codes, then its column codes, in the u8 scratch
 
 
 #: :class:`UlpLayout` as the one-record array :func:`parse_ulp` writes by field name.
@@ -187,7 +187,7 @@ def parse_ulp(p, pos, n, exp_bits, max_mag, flags, i64s, u8s, layout):
         return -30
     bits_at = pos
     pos += nbytes_bits
-    signs = p[pos:pos + n_sign]
+    signs = p[pos : pos + n_sign]
     sm_rank = 0
     sm_bits = 0
     lv_at = 0
@@ -259,31 +259,63 @@ def parse_ulp(p, pos, n, exp_bits, max_mag, flags, i64s, u8s, layout):
         out.need_u8 = need8
         return 2
     words = np.zeros(nbytes_bits // 8 + 5, np.uint64)  # little-endian words (x86_64, aarch64)
-    words.view(np.uint8)[:nbytes_bits] = p[bits_at:bits_at + nbytes_bits]
+    words.view(np.uint8)[:nbytes_bits] = p[bits_at : bits_at + nbytes_bits]
     rans = np.empty(rans_len // 2, np.uint16)
-    rans.view(np.uint8)[:] = p[pos:pos + rans_len]
+    rans.view(np.uint8)[:] = p[pos : pos + rans_len]
     ev_off = np.zeros(K + 1, np.int64)
     val_off = np.zeros(K + 1, np.int64)
     for c in range(K):
         ev_off[c + 1] = ev_off[c] + n_events[c] + 1
         val_off[c + 1] = val_off[c] + n_class_changes[c]
     ev = i64s[:n_ev]
-    vals = i64s[n_ev:n_ev + n_changed]
+    vals = i64s[n_ev : n_ev + n_changed]
     row_dead = u8s[:n_rows] if row_mode else u8s[:1]
     row_dead[:] = 0
     table_at = n_ev + n_changed + 1 + 2 * E + 5 * (K + 1)
     if model:
-        _sign_codes(p, codes_at, sm_rank * sm_bits, n_rows, row_len, u8s[codes_at8:codes_at8 + n_rows],
-                    u8s[codes_at8 + n_rows:codes_at8 + n_rows + row_len])
-        sign_model.prediction_table(p[lv_at:lv_at + (4 * sm_rank if sm_bits == 2 else 0)], sm_rank, sm_bits,
-                                    i64s[table_at:table_at + 64].view(np.uint64))
-        signs = u8s[signs_at:signs_at + n_sign]  # dec_flips writes every byte
+        _sign_codes(
+            p,
+            codes_at,
+            sm_rank * sm_bits,
+            n_rows,
+            row_len,
+            u8s[codes_at8 : codes_at8 + n_rows],
+            u8s[codes_at8 + n_rows : codes_at8 + n_rows + row_len],
+        )
+        sign_model.prediction_table(
+            p[lv_at : lv_at + (4 * sm_rank if sm_bits == 2 else 0)],
+            sm_rank,
+            sm_bits,
+            i64s[table_at : table_at + 64].view(np.uint64),
+        )
+        signs = u8s[signs_at : signs_at + n_sign]  # dec_flips writes every byte
         err = dec_flips(p, fl_at, fl_len, fl_freqs, n_sign, signs)
         if err:
             return err
-    err = dec_streams(words, nbits, n_rows, row_mode, n_row_events, row_m, n_events, cls_m, ev, ev_off,
-                       mag_mode, mag_m, mag_T, freqs, freq_off, val_off, n_class_changes, signs, rans, vals, row_dead,
-                       max_mag)
+    err = dec_streams(
+        words,
+        nbits,
+        n_rows,
+        row_mode,
+        n_row_events,
+        row_m,
+        n_events,
+        cls_m,
+        ev,
+        ev_off,
+        mag_mode,
+        mag_m,
+        mag_T,
+        freqs,
+        freq_off,
+        val_off,
+        n_class_changes,
+        signs,
+        rans,
+        vals,
+        row_dead,
+        max_mag,
+    )
     if err:
         return err
     # internal class ids: sparse classes 0..S-1, "no change" S, dense S+1..K
@@ -304,17 +336,17 @@ def parse_ulp(p, pos, n, exp_bits, max_mag, flags, i64s, u8s, layout):
             a_ += 1
     lut_at = n_ev + n_changed + 1
     o_ = lut_at
-    lut = i64s[o_:o_ + 2 * E]  # indexed by the old element's bits >> mantissa bits (sign included)
+    lut = i64s[o_ : o_ + 2 * E]  # indexed by the old element's bits >> mantissa bits (sign included)
     o_ += 2 * E
-    cnt = i64s[o_:o_ + K + 1]
-    evp = i64s[o_ + K + 1:o_ + 2 * (K + 1)]
-    vp = i64s[o_ + 2 * (K + 1):o_ + 3 * (K + 1)]
-    vend = i64s[o_ + 3 * (K + 1):o_ + 4 * (K + 1)]
-    evend = i64s[o_ + 4 * (K + 1):o_ + 5 * (K + 1)]
+    cnt = i64s[o_ : o_ + K + 1]
+    evp = i64s[o_ + K + 1 : o_ + 2 * (K + 1)]
+    vp = i64s[o_ + 2 * (K + 1) : o_ + 3 * (K + 1)]
+    vend = i64s[o_ + 3 * (K + 1) : o_ + 4 * (K + 1)]
+    evend = i64s[o_ + 4 * (K + 1) : o_ + 5 * (K + 1)]
     lut[:] = S
     for c in range(K):
-        lut[cls_lo[c]:cls_hi[c] + 1] = iid[c]
-        lut[E + cls_lo[c]:E + cls_hi[c] + 1] = iid[c]
+        lut[cls_lo[c] : cls_hi[c] + 1] = iid[c]
+        lut[E + cls_lo[c] : E + cls_hi[c] + 1] = iid[c]
     cnt[S] = SENTINEL
     evp[S] = 0
     vp[S] = 0
@@ -343,13 +375,31 @@ def parse_ulp(p, pos, n, exp_bits, max_mag, flags, i64s, u8s, layout):
 
 
 ERRORS = {
-    -1: "bad row gap", -2: "row past the end", -3: "bad position gap", -4: "bad rANS state", -5: "bad magnitude",
-    -6: "rANS stream too short", -7: "bad magnitude escape", -8: "rANS stream not fully used",
-    -9: "bitstream length disagrees", -10: "more values than a class holds", -11: "a value leaves the dtype's range",
-    -12: "a class's events or values were not all used", -20: "bad counts or row length", -21: "unknown row mode",
-    -22: "bad row flags", -23: "too many classes", -24: "bad class range", -25: "unknown class flags",
-    -26: "bad class counts", -27: "bad magnitude parameter", -28: "bad frequency table",
-    -29: "class counts disagree with the total", -30: "streams longer than the payload or counts above them",
-    -31: "bad rANS stream length", -32: "inconsistent empty delta", -33: "bad sign model",
+    -1: "bad row gap",
+    -2: "row past the end",
+    -3: "bad position gap",
+    -4: "bad rANS state",
+    -5: "bad magnitude",
+    -6: "rANS stream too short",
+    -7: "bad magnitude escape",
+    -8: "rANS stream not fully used",
+    -9: "bitstream length disagrees",
+    -10: "more values than a class holds",
+    -11: "a value leaves the dtype's range",
+    -12: "a class's events or values were not all used",
+    -20: "bad counts or row length",
+    -21: "unknown row mode",
+    -22: "bad row flags",
+    -23: "too many classes",
+    -24: "bad class range",
+    -25: "unknown class flags",
+    -26: "bad class counts",
+    -27: "bad magnitude parameter",
+    -28: "bad frequency table",
+    -29: "class counts disagree with the total",
+    -30: "streams longer than the payload or counts above them",
+    -31: "bad rANS stream length",
+    -32: "inconsistent empty delta",
+    -33: "bad sign model",
     -34: "bad flip stream",
 }

@@ -39,7 +39,9 @@ def sign_tensors() -> tuple[np.ndarray, np.ndarray]:
     x = ((i + np.uint64(7)) * np.uint64(0x9E3779B97F4A7C15)) * np.uint64(0xBF58476D1CE4E5B9)
     u = ((x >> np.uint64(51)) | np.uint64(0x3C00)).astype(np.uint16)  # 2^-7 .. 2^1, positive
     rows, cols = i // np.uint64(256), i % np.uint64(256)
-    negative = ((rows * np.uint64(5) + cols * np.uint64(3)) % np.uint64(7) < np.uint64(3)) ^ ((x >> np.uint64(7)) % np.uint64(8) == 0)
+    negative = ((rows * np.uint64(5) + cols * np.uint64(3)) % np.uint64(7) < np.uint64(3)) ^ (
+        (x >> np.uint64(7)) % np.uint64(8) == 0
+    )
     changed = (x >> np.uint64(20)) % np.uint64(3) != 0
     v = u.astype(np.int64) + np.where(changed, np.where(negative, -1, 1), 0)
     return u.view(np.uint8), v.astype(np.uint16).view(np.uint8)

@@ -119,7 +119,9 @@ def _call_llvm(builder, name: str, args, extra=()):
 @intrinsic
 def _pdep(typingctx, src, mask):
     """BMI2 parallel bit deposit: the low bits of src, in order, onto the set bits of mask."""
-    return types.uint64(types.uint64, types.uint64), lambda ctx, b, sig, args: _call_llvm(b, "llvm.x86.bmi.pdep.64", args)
+    return types.uint64(types.uint64, types.uint64), lambda ctx, b, sig, args: _call_llvm(
+        b, "llvm.x86.bmi.pdep.64", args
+    )
 
 
 @intrinsic
@@ -131,7 +133,8 @@ def _popcount(typingctx, x):
 def _tzcnt(typingctx, x):
     """Trailing zeros of a non-zero word."""
     return types.uint64(types.uint64), lambda ctx, b, sig, args: _call_llvm(
-        b, "llvm.cttz.i64", args, (ir.Constant(ir.IntType(1), 0),))
+        b, "llvm.cttz.i64", args, (ir.Constant(ir.IntType(1), 0),)
+    )
 
 
 # ------------------------------------------------------------------------------ kernels
@@ -233,8 +236,31 @@ def _apply_changes_predicted(out, s, ebuf, cbuf, nw, cls_of, q, vals, last, tabl
 
 
 @_jit
-def _apply(out, ebuf, cbuf, valid, er, row_dead, row_len, n_rows, lut, S, D, K, evp, vp, vend, evend, ev, vals,
-           table, rc, cc, predict, pred_len):
+def _apply(
+    out,
+    ebuf,
+    cbuf,
+    valid,
+    er,
+    row_dead,
+    row_len,
+    n_rows,
+    lut,
+    S,
+    D,
+    K,
+    evp,
+    vp,
+    vend,
+    evend,
+    ev,
+    vals,
+    table,
+    rc,
+    cc,
+    predict,
+    pred_len,
+):
     """Apply a parsed payload (the layout of :func:`.parse.parse_ulp`, internal class ids) to the BF16
     bits in ``out``; with a sign model (``predict``: rows of ``pred_len``, their codes rc, the
     columns' cc and the prediction table) its predicted signs. Returns 0, -12 (events or values not all used, or ranks past the tensor),
@@ -304,7 +330,7 @@ def _apply(out, ebuf, cbuf, valid, er, row_dead, row_len, n_rows, lut, S, D, K, 
         imax[M] = o + (r >> 6) + 1  # er[imax] and er[imax + 1] stay zero
         o += (r >> 6) + 3
         if o > need - 3:  # classes partition the tensor: valid ranks end by need - 5 (the next
-            return -12    # class's stores, clamped to er[need - 3], stay inside er as well)
+            return -12  # class's stores, clamped to er[need - 3], stay inside er as well)
         prev_free = nev == 0 and dense
         M += 1
     lo, span, inv, eroff, imax = lo[:M], span[:M], inv[:M], eroff[:M], imax[:M]
@@ -367,18 +393,59 @@ class SelectScratch:
         self.er = np.zeros(1 << 12, np.uint64)
 
 
-def apply_bf16(scratch: SelectScratch, out: np.ndarray, row_dead: np.ndarray, row_len: int, n_rows: int,
-               lut: np.ndarray, S: int, D: int, K: int, evp: np.ndarray, vp: np.ndarray, vend: np.ndarray,
-               evend: np.ndarray, ev: np.ndarray, vals: np.ndarray, table: np.ndarray, rc: np.ndarray,
-               cc: np.ndarray, predict: int, pred_len: int) -> int:
+def apply_bf16(
+    scratch: SelectScratch,
+    out: np.ndarray,
+    row_dead: np.ndarray,
+    row_len: int,
+    n_rows: int,
+    lut: np.ndarray,
+    S: int,
+    D: int,
+    K: int,
+    evp: np.ndarray,
+    vp: np.ndarray,
+    vend: np.ndarray,
+    evend: np.ndarray,
+    ev: np.ndarray,
+    vals: np.ndarray,
+    table: np.ndarray,
+    rc: np.ndarray,
+    cc: np.ndarray,
+    predict: int,
+    pred_len: int,
+) -> int:
     """Apply a payload parsed by codec v2 to ``out`` (the old BF16 bits as uint16, in place);
     ``table``, ``rc``, ``cc``, ``predict`` and ``pred_len`` are its sign model's (predict 0:
     none; sign_model). Returns codec v2's error code (0: applied)."""
     if out.dtype != np.uint16 or not out.flags.c_contiguous:
         raise ConfigError("apply_bf16 takes the BF16 bits as a contiguous uint16 array")
     while True:
-        err = _apply(out, scratch.ebuf, scratch.cbuf, scratch.valid, scratch.er, row_dead, row_len, n_rows, lut,
-                     S, D, K, evp, vp, vend, evend, ev, vals, table, rc, cc, predict, pred_len)
+        err = _apply(
+            out,
+            scratch.ebuf,
+            scratch.cbuf,
+            scratch.valid,
+            scratch.er,
+            row_dead,
+            row_len,
+            n_rows,
+            lut,
+            S,
+            D,
+            K,
+            evp,
+            vp,
+            vend,
+            evend,
+            ev,
+            vals,
+            table,
+            rc,
+            cc,
+            predict,
+            pred_len,
+        )
         if err >= -12 or -err <= scratch.er.size:  # done or an error code (a size is > er.size >= 4096)
             return int(err)
         scratch.er = np.zeros(-err + (-err) // 4, np.uint64)

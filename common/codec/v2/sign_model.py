@@ -25,9 +25,9 @@ import numpy as np
 
 from .jit import inline, kernel
 
-MAX_RANK = 3       # a row's or a column's codes fit in 6 bits: the prediction is one table bit
-ROW_ALIGN = 64       # rows must be a whole number of 64-element words (the select apply's unit)
-MIN_CHANGES = 4096   # fewer changes do not pay for the factors
+MAX_RANK = 3  # a row's or a column's codes fit in 6 bits: the prediction is one table bit
+ROW_ALIGN = 64  # rows must be a whole number of 64-element words (the select apply's unit)
+MIN_CHANGES = 4096  # fewer changes do not pay for the factors
 LEVEL_MAX = 255
 _OVERSAMPLE = 4
 _POWER_ITERATIONS = 1
@@ -41,10 +41,10 @@ class SignModel:
     over t of value(row_codes[i, t]) * value(col_codes[j, t]) is below 0 (docs/FORMAT.md)."""
 
     rank: int
-    bits: int                 # 1: entries +-1 (rank 1 only); 2: entries +-lo or +-hi
-    levels: np.ndarray        # (rank, 4) uint8: row lo, row hi, col lo, col hi (bits == 2)
-    row_codes: np.ndarray     # (n_rows, rank) uint8 codes: bit 0 negative, bit 1 high level
-    col_codes: np.ndarray     # (row_len, rank)
+    bits: int  # 1: entries +-1 (rank 1 only); 2: entries +-lo or +-hi
+    levels: np.ndarray  # (rank, 4) uint8: row lo, row hi, col lo, col hi (bits == 2)
+    row_codes: np.ndarray  # (n_rows, rank) uint8 codes: bit 0 negative, bit 1 high level
+    col_codes: np.ndarray  # (row_len, rank)
 
     def to_bytes(self) -> bytes:
         """The model's bytes in a payload: model byte, levels, row codes, column codes."""
@@ -97,7 +97,6 @@ def _top_factors(m: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:
     return (q @ u[:, :rank]) * root, vt[:rank].T * root
 
 
-
 def _flip_bits(flips: int, n: int) -> float:
     """Bits to code n flip bits of which ``flips`` are set (ideal, i.i.d.; plus the table)."""
     p = min(max(flips / n, 1e-9), 1 - 1e-9)
@@ -133,8 +132,7 @@ def _predict(rows, cols, rc, cc, words):
     return out
 
 
-def _refine(model: SignModel, rows: np.ndarray, cols: np.ndarray,
-            negative: np.ndarray) -> tuple[SignModel, np.ndarray]:
+def _refine(model: SignModel, rows: np.ndarray, cols: np.ndarray, negative: np.ndarray) -> tuple[SignModel, np.ndarray]:
     """Better codes for the same levels: every row takes the codes that agree with most of its
     changes' signs given the columns' codes, then every column given the rows' (exact, through
     the prediction table); a few rounds. Only the columns' codes need a start (the SVD's, which
@@ -150,8 +148,9 @@ def _refine(model: SignModel, rows: np.ndarray, cols: np.ndarray,
     for _ in range(_REFINE_ROUNDS):
         rc = np.argmax(_sign_balance(rows, cols, cc, negative, n_rows, n_codes) @ table.T, axis=1)
         cc = np.argmax(_sign_balance(cols, rows, rc, negative, row_len, n_codes) @ table, axis=1)
-    refined = SignModel(model.rank, model.bits, model.levels, _split(rc, model.rank, model.bits),
-                        _split(cc, model.rank, model.bits))
+    refined = SignModel(
+        model.rank, model.bits, model.levels, _split(rc, model.rank, model.bits), _split(cc, model.rank, model.bits)
+    )
     return refined, _predict(rows, cols, rc, cc, words)
 
 
@@ -166,11 +165,14 @@ def fit(signs: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> tuple[SignMode
     if n < MIN_CHANGES or row_len % ROW_ALIGN or n_rows < 2:
         return None
     negative = signs[rows, cols] < 0
-    sampled = signs[::max(1, signs.size // _FIT_ELEMENTS)].astype(np.float32)  # bounded memory
+    sampled = signs[:: max(1, signs.size // _FIT_ELEMENTS)].astype(np.float32)  # bounded memory
     a, b = _top_factors(sampled, min(MAX_RANK, *sampled.shape))
     no_rows = np.zeros((n_rows, 1), np.uint8)  # the refinement sets every row's codes first
-    candidates = [_refine(SignModel(1, 1, np.ones((1, 4), np.uint8), no_rows, (b[:, :1] < 0).astype(np.uint8)),
-                          rows, cols, negative)]  # +-1 per row and column
+    candidates = [
+        _refine(
+            SignModel(1, 1, np.ones((1, 4), np.uint8), no_rows, (b[:, :1] < 0).astype(np.uint8)), rows, cols, negative
+        )
+    ]  # +-1 per row and column
     rank = a.shape[1]  # with two bits per entry, the most factors win (measured: benchmarks/README.md)
     if rank > 1:
         cc, lv = [], np.zeros((rank, 4))
@@ -183,8 +185,9 @@ def fit(signs: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> tuple[SignMode
         candidates.append(_refine(model, rows, cols, negative))
     best, best_bits, best_pred = None, float(n), None
     for model, pred in candidates:
-        bits = _flip_bits(int(np.count_nonzero(pred != negative)), n) + 8 * section_size(n_rows, row_len, model.rank,
-                                                                                        model.bits)
+        bits = _flip_bits(int(np.count_nonzero(pred != negative)), n) + 8 * section_size(
+            n_rows, row_len, model.rank, model.bits
+        )
         if bits < best_bits:
             best, best_bits, best_pred = model, bits, pred
     if best is None or best_pred is None or best_bits > n - 8 * 64:  # worth it if it saves 64 bytes

@@ -17,11 +17,11 @@ FLAG_SIGN_MODEL = 1
 FLOATS = {"BF16": (2, 7, 8), "F16": (2, 10, 5), "F32": (4, 23, 8)}
 UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
-QMAX = 40            # Golomb quotient at which a code escapes to an explicit length
-SCALE_BITS = 12      # rANS frequency precision: tables sum to 4096
+QMAX = 40  # Golomb quotient at which a code escapes to an explicit length
+SCALE_BITS = 12  # rANS frequency precision: tables sum to 4096
 SCALE = 1 << SCALE_BITS
-RANS_L = 1 << 16     # rANS state lower bound; 16-bit renormalisation
-MAX_T = 64           # rANS table size (symbols 0..T-2 literal, T-1 escapes)
+RANS_L = 1 << 16  # rANS state lower bound; 16-bit renormalisation
+MAX_T = 64  # rANS table size (symbols 0..T-2 literal, T-1 escapes)
 FLIP_STREAMS = 4  # the flip bytes are dealt to four rANS streams: byte i goes to stream i % 4
 
 
@@ -66,7 +66,7 @@ class Reader:
     def take(self, n: int, what: str) -> memoryview:
         if n > len(self.v) - self.p:
             raise CorruptDataError(f"payload truncated inside {what}")
-        out = self.v[self.p:self.p + n]
+        out = self.v[self.p : self.p + n]
         self.p += n
         return out
 
