@@ -592,6 +592,8 @@ def run_engine(engine: str, work: Path, models: list[Path], faults: list[str], o
     rows = []
     try:
         h.start()
+        # A cold codec compile (the first server of an environment) would land in the first row.
+        h.wait(lambda s: bool(s["codec_ready"]), 300)
         for name in faults:
             row = Row(name, engine)
             started = time.monotonic()
