@@ -184,7 +184,11 @@ class ChainReader:
                         raise
                     return None
 
-        manifests = [m for m in await asyncio.gather(*map(read, ids)) if m is not None]
+        results = await asyncio.gather(*map(read, sorted(ids)), return_exceptions=True)
+        for result in results:  # the oldest snapshot's error, whichever read finished first
+            if isinstance(result, BaseException):
+                raise result
+        manifests = [m for m in results if isinstance(m, Manifest)]
         return sorted(manifests, key=lambda m: (m.step, m.kind is not SnapshotKind.BASE))
 
     async def latest_id(self) -> str | None:

@@ -116,18 +116,21 @@ async def _pull(args: argparse.Namespace) -> tuple[Manifest, int]:
     try:
         reader = ChainReader(store, _trusted(args))
         with _progress("fetch", None, not args.quiet) as update:
-            target = args.snapshot or await reader.latest_id()
+            try:
+                target = args.snapshot or await reader.latest_id()
+            except CorruptDataError as exc:  # HEAD names a snapshot that does not verify
+                raise await _name_the_newest_good(reader, None, _Unbuildable(exc), args.max_model_bytes) from None
             if target is None:
                 raise ChainError(f"store {store.public_url} has no snapshots")
             recover_install(args.out)  # a pull killed between its renames: its marker counts below
-            if not args.allow_older:
-                refuse_going_back(
-                    await reader.manifest(target),
-                    _earlier_pull(args.out),
-                    f"the pull in {args.out}",
-                    "pass --allow-older to replace it anyway",
-                )
             try:
+                if not args.allow_older:  # a target that does not read or verify goes to the search below
+                    refuse_going_back(
+                        await reader.manifest(target),
+                        _earlier_pull(args.out),
+                        f"the pull in {args.out}",
+                        "pass --allow-older to replace it anyway",
+                    )
                 path = await reader.path_to(target)
                 state = await _rebuild_path(reader, path, update, args.max_model_bytes)
             except _Unbuildable as failed:
@@ -201,7 +204,7 @@ SEARCH_BYTES_FACTOR = 2
 
 
 async def _name_the_newest_good(
-    reader: ChainReader, target: str, failed: _Unbuildable, max_model_bytes: int | None, tries: int = 20
+    reader: ChainReader, target: str | None, failed: _Unbuildable, max_model_bytes: int | None, tries: int = 20
 ) -> DeltaSwapError:
     """The error to report when ``target`` cannot be rebuilt: it names the newest snapshot that can.
 
@@ -214,7 +217,7 @@ async def _name_the_newest_good(
     bad = {failed.failed} if failed.failed else set()
     found = failed.good
     try:
-        head: Manifest | None = await reader.manifest(target)
+        head: Manifest | None = await reader.manifest(target) if target is not None else None
     except DeltaSwapError:
         head = None
     spent = 0
