@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .errors import EngineError
+from .errors import ConfigError, EngineError
 from .served_model import ServedModel
 from .settings import DrainPolicy
 from .tensors import StateDict, TensorSpecs
@@ -120,3 +120,25 @@ class EngineAdapter(ABC):
         """Translate one of the engine's exceptions into delta-swap's error type (override to
         keep the engine's message in a better shape)."""
         return EngineError(f"{self.name}: {type(exc).__name__}: {exc}")
+
+
+def refuse_unverified_weights(quantization: str | None, lora_flags: str | None, multimodal: bool) -> None:
+    """Raise ConfigError (one line) for a server whose weights are not the published tensors, as
+    delta-swap cannot keep it exact yet: quantized (``--quantization``), with LoRA adapters
+    (``lora_flags``: the engine's flags that enabled them, None without), or multimodal. Engine
+    adapters call it when their server starts."""
+    if quantization:
+        raise ConfigError(
+            f"delta_swap does not support quantized servers yet (--quantization {quantization}: "
+            "the engine would hold re-quantized weights, not the published ones); serve bf16/fp16"
+        )
+    if lora_flags:
+        raise ConfigError(
+            f"delta_swap does not support {lora_flags} yet (base weights under loaded adapters "
+            "are not verified); serve without LoRA"
+        )
+    if multimodal:
+        raise ConfigError(
+            "delta_swap does not support multimodal models yet (the vision tower and its "
+            "processor are not covered by the swap's checks)"
+        )

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from delta_swap import service
+from delta_swap.engine_adapter import refuse_unverified_weights
 from delta_swap.errors import ConfigError
 from delta_swap.settings import Settings
 
@@ -73,22 +74,14 @@ def refuse_unsupported(server_args: Any) -> None:
         raise ConfigError("delta_swap supports --dp-size 1 (SGLang's tensor weight update does too)")
     if (getattr(server_args, "pp_size", 1) or 1) > 1:
         raise ConfigError("delta_swap does not support --pp-size > 1 yet")
-    quantization = getattr(server_args, "quantization", None)
-    if quantization:
-        raise ConfigError(
-            f"delta_swap does not support quantized servers yet (--quantization {quantization}: "
-            "the engine would hold re-quantized weights, not the published ones); serve bf16/fp16"
-        )
-    if getattr(server_args, "enable_lora", None) or getattr(server_args, "lora_paths", None):
-        raise ConfigError(
-            "delta_swap does not support LoRA adapters yet (--enable-lora / --lora-paths: base "
-            "weights under loaded adapters are not verified); serve without LoRA"
-        )
-    if getattr(server_args, "enable_multimodal", None) or _is_multimodal(getattr(server_args, "model_path", None)):
-        raise ConfigError(
-            "delta_swap does not support multimodal models yet (the vision tower and its "
-            "processor are not covered by the swap's checks)"
-        )
+    lora = getattr(server_args, "enable_lora", None) or getattr(server_args, "lora_paths", None)
+    refuse_unverified_weights(
+        getattr(server_args, "quantization", None),
+        "LoRA adapters (--enable-lora / --lora-paths)" if lora else None,
+        bool(
+            getattr(server_args, "enable_multimodal", None) or _is_multimodal(getattr(server_args, "model_path", None))
+        ),
+    )
 
 
 def _is_multimodal(model_path: str | None) -> bool:

@@ -6,6 +6,7 @@ from argparse import Namespace
 from typing import Any
 
 from delta_swap import service
+from delta_swap.engine_adapter import refuse_unverified_weights
 from delta_swap.errors import ConfigError
 from delta_swap.settings import Settings
 
@@ -48,22 +49,11 @@ def refuse_unsupported(vllm_config: Any) -> None:
     quantized, with LoRA adapters, multimodal), instead of serving something else silently."""
     refuse_parallel_layouts(vllm_config.parallel_config)
     model = getattr(vllm_config, "model_config", None)
-    quantization = getattr(model, "quantization", None)
-    if quantization:
-        raise ConfigError(
-            f"delta_swap does not support quantized servers yet (--quantization {quantization}: "
-            "the engine would hold re-quantized weights, not the published ones); serve bf16/fp16"
-        )
-    if getattr(vllm_config, "lora_config", None) is not None:
-        raise ConfigError(
-            "delta_swap does not support --enable-lora yet (base weights under loaded adapters "
-            "are not verified); serve without LoRA"
-        )
-    if getattr(model, "is_multimodal_model", False):
-        raise ConfigError(
-            "delta_swap does not support multimodal models yet (the vision tower and its "
-            "processor are not covered by the swap's checks)"
-        )
+    refuse_unverified_weights(
+        getattr(model, "quantization", None),
+        "--enable-lora" if getattr(vllm_config, "lora_config", None) is not None else None,
+        bool(getattr(model, "is_multimodal_model", False)),
+    )
 
 
 def refuse_parallel_layouts(parallel: Any) -> None:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import httpx
 
+from delta_swap.freshness import record_path
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -29,10 +31,7 @@ def with_freshness_record(settings: Mapping[str, object] | None, workdir: Path) 
     there as another run."""
     if not settings or not settings.get("store") or settings.get("freshness_file"):
         return dict(settings) if settings is not None else None
-    import hashlib
-
-    digest = hashlib.sha256(str(settings["store"]).encode()).hexdigest()[:16]
-    return {**settings, "freshness_file": str(workdir / f"delta-swap-freshness-{digest}.json")}
+    return {**settings, "freshness_file": str(record_path(str(workdir), str(settings["store"])))}
 
 
 def device() -> str:
