@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from delta_swap.testing.engine_exactness import Chain, status
 from examples.servers import vllm as vllm_server
 from examples.servers.process import Server
 from tests.support.exactness import TinyModelExactness
@@ -30,11 +31,16 @@ class VllmExactness(TinyModelExactness):
         )
 
     def prompt_logprobs(self, url: str, prompt: list[int]) -> list[object]:
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "logprobs": 1, "echo": True}
-        r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
-        r.raise_for_status()
-        logprobs = r.json()["choices"][0]["logprobs"]
-        return [logprobs["token_logprobs"], logprobs["top_logprobs"]]
+        return completion_logprobs(url, prompt)
+
+
+def completion_logprobs(url: str, prompt: list[int], headers: Mapping[str, str] | None = None) -> list[object]:
+    """The prompt's logprobs (and top logprobs) from vLLM's OpenAI completions route."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "logprobs": 1, "echo": True}
+    r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=300)
+    r.raise_for_status()
+    logprobs = r.json()["choices"][0]["logprobs"]
+    return [logprobs["token_logprobs"], logprobs["top_logprobs"]]
 
 
 class TestLlamaReload(VllmExactness):
@@ -71,3 +77,31 @@ class TestQwen3TiedReloadTP2(VllmExactness):
     family, swap_path = "qwen3", "reload"
     extra = ("--tensor-parallel-size", "2")
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+class TestQwen3TiedReloadDP2(VllmExactness):
+    """Two data-parallel engines behind one API server (one core each): the one subscriber pauses,
+    updates and resumes both in the same swap. Every prompt is asked of each engine (vLLM's
+    ``X-data-parallel-rank`` header), here and on the fresh reference servers (same flags)."""
+
+    family, swap_path = "qwen3", "reload"
+    extra = ("--data-parallel-size", "2", "--api-server-count", "1")
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+
+    def prompt_logprobs(self, url: str, prompt: list[int]) -> list[object]:
+        return [completion_logprobs(url, prompt, {"X-data-parallel-rank": str(rank)}) for rank in (0, 1)]
+
+    def test_one_subscriber_swaps_both_engines_and_reports_one_version(self, chain: Chain) -> None:
+        """Both engines' workers read back the last swap, and both report its version."""
+        st = status(chain.server.url)
+        assert st["last_verification"]["workers"] == 2, st
+        assert st["current_step"] == len(chain.checkpoints) - 1, st
+        headers = [{"X-data-parallel-rank": str(rank)} for rank in (0, 1)]
+        body = {"model": "tiny", "prompt": [5, 17, 99], "max_tokens": 2, "temperature": 0.0}
+        versions = {
+            httpx.post(f"{chain.server.url}/v1/completions", json=body, headers=h, timeout=300).json()["choices"][0][
+                "weight_versions"
+            ][-1]["version"]
+            for h in headers
+        }
+        assert versions == {st["current_snapshot_id"]}, (versions, st)

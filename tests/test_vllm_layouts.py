@@ -1,4 +1,5 @@
-"""Parallel layouts the vLLM plugin cannot keep exact are refused when the server starts."""
+"""Parallel layouts the vLLM plugin cannot keep exact are refused when the server starts; the
+others (tensor parallel, data parallel behind one API server) are served: test_vllm_exactness."""
 
 from __future__ import annotations
 
@@ -11,11 +12,16 @@ from delta_swap.errors import ConfigError
 endpoint = pytest.importorskip("vllm_delta_plugin.endpoint", exc_type=ImportError)
 
 
-@pytest.mark.parametrize(("dp", "pp", "refused"), [(1, 1, None), (2, 1, "data-parallel"), (1, 2, "pipeline")])
-def test_data_and_pipeline_parallel_are_refused_at_start(dp, pp, refused) -> None:
-    parallel = SimpleNamespace(data_parallel_size=dp, pipeline_parallel_size=pp, tensor_parallel_size=2)
+@pytest.mark.parametrize(
+    ("dp", "api_servers", "pp", "refused"),
+    [(1, 1, 1, None), (2, 1, 1, None), (2, 2, 1, "--api-server-count 1"), (1, 1, 2, "pipeline")],
+)
+def test_pipeline_parallel_and_several_api_servers_are_refused_at_start(dp, api_servers, pp, refused) -> None:
+    parallel = SimpleNamespace(
+        data_parallel_size=dp, _api_process_count=api_servers, pipeline_parallel_size=pp, tensor_parallel_size=2
+    )
     if refused is None:
-        endpoint.refuse_parallel_layouts(parallel)  # TP alone is supported
+        endpoint.refuse_parallel_layouts(parallel)  # TP, and DP behind one API server, are served
         return
     with pytest.raises(ConfigError, match=refused):
         endpoint.refuse_parallel_layouts(parallel)

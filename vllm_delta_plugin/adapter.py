@@ -20,7 +20,6 @@ no KV computed with the old weights is reused.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import re
@@ -41,6 +40,7 @@ from delta_swap.settings import DrainPolicy, Settings, SwapPath
 from delta_swap.tensors import StateDict, TensorSpecs
 
 from .module_groups import complete_modules, module_groups, module_of
+from .worker_results import read_worker_results
 
 log = logging.getLogger("vllm_delta_plugin")
 
@@ -68,6 +68,34 @@ def packed_modules_of(vllm_config: Any) -> Mapping[str, Sequence[str]] | None:
         log.warning("delta_swap: cannot resolve the model class; every update will send all tensors")
         return None
     return dict(getattr(model_cls, "packed_modules_mapping", None) or {})
+
+
+def merge_layouts(answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """One ``describe`` answer for the deployment from every worker's: an arena layout only if
+    every worker (of every data-parallel engine) described the same one."""
+    if not answers:
+        raise EngineError("vllm: no worker described its parameters")
+    first = answers[0]
+    for other in answers[1:]:
+        if other["layout"] is None:
+            return {**first, "layout": None, "reason": other["reason"]}
+        if other["layout"] != first["layout"]:
+            return {**first, "layout": None, "reason": f"the {len(answers)} workers hold different layouts"}
+    return first
+
+
+def merge_verifications(answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """What every worker read back after a reload: modules checked in all, the slowest worker's
+    seconds, how many workers answered, and why any of them checked nothing."""
+    merged: dict[str, Any] = {
+        "checks": sum(a["checks"] for a in answers),
+        "seconds": max((a["seconds"] for a in answers), default=0.0),
+        "workers": len(answers),
+    }
+    skipped = sorted({a["skipped"] for a in answers if a.get("skipped")})
+    if skipped or not answers:
+        merged["skipped"] = "; ".join(skipped) or "no worker answered"
+    return merged
 
 
 class VllmAdapter(EngineAdapter):
@@ -131,9 +159,9 @@ class VllmAdapter(EngineAdapter):
             output = Path(self.settings.staging_dir) / f"delta-swap-layout-{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
             try:
                 await self._call({"op": "describe", "output": str(output)})
-                doc = json.loads(output.read_text())
             finally:
-                output.unlink(missing_ok=True)
+                answers = read_worker_results(str(output))
+            doc = merge_layouts(answers)
             if doc.get("packed") is not None:  # the workers' mapping, which may extend the class's
                 self.packed = {k: list(v) for k, v in doc["packed"].items()}
                 self._groups = module_groups(self.served.specs, self.packed)
@@ -256,9 +284,9 @@ class VllmAdapter(EngineAdapter):
                     "verify_names": staged.verify_names,
                 }
             )
-            self.last_verification = json.loads(Path(output).read_text())
         finally:
-            Path(output).unlink(missing_ok=True)
+            answers = read_worker_results(output)
+        self.last_verification = merge_verifications(answers)
 
     def engine_error(self, exc: BaseException) -> EngineError:
         """vLLM wraps a worker's exception in two layers of text; keep the worker's own message."""

@@ -57,13 +57,15 @@ def refuse_unsupported(vllm_config: Any) -> None:
 
 
 def refuse_parallel_layouts(parallel: Any) -> None:
-    """Refuse the layouts delta-swap cannot keep exact yet: data parallel (every API server would
-    run its own subscriber and swap the same engines) and pipeline parallel (not tested). Tensor
-    parallel is supported."""
-    if getattr(parallel, "data_parallel_size", 1) > 1:
+    """Refuse the layouts delta-swap cannot keep exact yet. Tensor parallel is supported, and data
+    parallel behind one API server (``--api-server-count 1``): its subscriber pauses, updates and
+    resumes every engine in the same swap (vLLM's client sends each call to all of them). Several
+    API servers would each run a subscriber and swap the same engines on their own; pipeline
+    parallel is not tested."""
+    if getattr(parallel, "data_parallel_size", 1) > 1 and getattr(parallel, "_api_process_count", 1) > 1:
         raise ConfigError(
-            "delta_swap does not support --data-parallel-size > 1 yet (each API server would swap "
-            "the engines on its own); run one server per replica"
+            "delta_swap needs one API server per deployment (one subscriber swaps every engine): add "
+            "--api-server-count 1 to --data-parallel-size"
         )
     if getattr(parallel, "pipeline_parallel_size", 1) > 1:
         raise ConfigError("delta_swap does not support --pipeline-parallel-size > 1 yet")

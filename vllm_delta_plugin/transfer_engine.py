@@ -22,7 +22,6 @@ it on every error path: a failed update leaves the previous weights in place.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -50,6 +49,7 @@ from delta_swap.torch_params import check_matches, plan_layout, point_parameters
 from .module_groups import complete_modules, module_groups, module_of
 from .verify import modules_sharing_parameters_with as _modules_sharing_parameters_with
 from .verify import verify_modules
+from .worker_results import write_worker_result
 
 log = logging.getLogger("vllm_delta_plugin")
 
@@ -143,9 +143,7 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             if mismatch is not None:
                 layout, reason = None, mismatch
         self._layout = layout
-        Path(output).write_text(
-            json.dumps({"layout": layout and layout.to_json(), "reason": reason, "packed": self._packed})
-        )
+        write_worker_result(output, {"layout": layout and layout.to_json(), "reason": reason, "packed": self._packed})
 
     def _commit(self, path: str) -> None:
         """Point every parameter at the arena ``path`` (mapped on first use)."""
@@ -187,10 +185,8 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
             # each rank holds a shard: the read-back does not map shards yet, so it says so
             if output:
-                Path(output).write_text(
-                    json.dumps(
-                        {"checks": 0, "seconds": 0.0, "skipped": "tensor or pipeline parallel ranks hold shards"}
-                    )
+                write_worker_result(
+                    output, {"checks": 0, "seconds": 0.0, "skipped": "tensor or pipeline parallel ranks hold shards"}
                 )
             return
         published = dict(_read_tensors(path, set(names)))
@@ -206,7 +202,7 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         seconds = time.perf_counter() - started
         log.info("delta_swap: verified %d modules against the snapshot in %.1f ms", checks, 1000 * seconds)
         if output:
-            Path(output).write_text(json.dumps({"checks": checks, "seconds": seconds}))
+            write_worker_result(output, {"checks": checks, "seconds": seconds})
 
     def _validate(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         self._served.check_fits(
