@@ -74,3 +74,24 @@ def test_a_lora_server_exits_at_start_with_the_reason(tmp_path) -> None:
         )
         server.stop()
     assert "delta_swap does not support --enable-lora yet" in str(info.value) + (tmp_path / "lora.log").read_text()
+
+
+def test_every_worker_answers_and_the_deployment_takes_the_arena_path_only_if_all_agree(tmp_path) -> None:
+    """Each worker of each data-parallel engine writes its own answer; one differing layout, or one
+    worker without a layout, sends the whole deployment to the reload path."""
+    from vllm_delta_plugin.adapter import merge_layouts, merge_verifications
+    from vllm_delta_plugin.worker_results import read_worker_results, write_worker_result
+
+    output = str(tmp_path / "layout.json")
+    same = {"layout": {"tensors": [1]}, "reason": "plain", "packed": {}}
+    for doc in (same, same):
+        write_worker_result(output, doc)  # one pid here: the second replaces the first
+    (tmp_path / "layout.json.99999").write_text('{"layout": {"tensors": [2]}, "reason": "plain", "packed": {}}')
+    answers = read_worker_results(output)
+    assert len(answers) == 2 and not list(tmp_path.iterdir())  # read once, then gone
+    assert merge_layouts(answers)["layout"] is None and "different layouts" in merge_layouts(answers)["reason"]
+    assert merge_layouts([same, same])["layout"] == same["layout"]
+    assert merge_layouts([same, {**same, "layout": None, "reason": "packed"}])["reason"] == "packed"
+    verified = merge_verifications([{"checks": 3, "seconds": 0.1}, {"checks": 4, "seconds": 0.2}])
+    assert verified == {"checks": 7, "seconds": 0.2, "workers": 2}
+    assert "shards" in merge_verifications([{"checks": 0, "seconds": 0.0, "skipped": "ranks hold shards"}])["skipped"]
