@@ -41,6 +41,28 @@ class SwapPath(str, Enum):
     RELOAD = "reload"  # always the engine's own loader
 
 
+class VerifySwaps(str, Enum):
+    """When a server reads back what its engine computes with after a swap (``Settings.verify_swaps``)."""
+
+    AUTO = "auto"  # as often as keeps the checks within VERIFY_SHARE of the swap windows: every swap when cheap
+    ALWAYS = "always"  # every swap, whatever it costs
+    NEVER = "never"
+
+    @classmethod
+    def _missing_(cls, value: object) -> VerifySwaps | None:
+        """The boolean spellings of earlier releases: true -> always, false -> never."""
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return cls.ALWAYS
+        if text in ("0", "false", "no", "off"):
+            return cls.NEVER
+        return None
+
+
+#: With ``verify_swaps=auto``: the share of the swap windows (on average) that read-backs may add.
+VERIFY_SHARE = 0.10
+
+
 def _default_staging_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
@@ -112,11 +134,13 @@ class Settings:
     """Refuse a newest snapshot more than this many steps ahead of the one served (a runaway or
     forged step number)."""
 
-    verify_swaps: bool = False
-    """After every swap, before the engine generates again, read back what it computes with (a
-    bounded sample per module, through the engine's own layout) and roll back on any difference
-    (vLLM's reload path). Off by default: measured at 17-57 ms per swap, over 10% of the reload
-    path's window (python -m benchmarks.verify_cost)."""
+    verify_swaps: VerifySwaps = VerifySwaps.AUTO
+    """After a swap, before the engine generates again, read back what it computes with (a bounded
+    sample per module, through the engine's own layout) and roll back on any difference (vLLM's
+    reload path). auto: every swap while that costs at most 10% of the swap windows, else as many
+    swaps as keep it there on average (the check's cost is bounded per module, the window grows with
+    the model: 17-57 ms against a 70-250 ms window at 51-205 MB, python -m benchmarks.verify_cost);
+    always; never (true and false mean always and never)."""
 
     swap_path: SwapPath = SwapPath.AUTO
     """How updates reach the engine: auto (arena where the engine's parameters are plain host
@@ -215,6 +239,7 @@ def _converter(annotation: str) -> Callable[[Any], Any]:
         "bool": _boolean,
         "DrainPolicy": DrainPolicy,
         "SwapPath": SwapPath,
+        "VerifySwaps": VerifySwaps,
     }
     return converters[base]
 

@@ -23,6 +23,7 @@ import asyncio
 import logging
 import os
 import re
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from delta_swap.safetensors_io import write_safetensors
 from delta_swap.served_model import ServedModel
 from delta_swap.settings import DrainPolicy, Settings, SwapPath
 from delta_swap.tensors import StateDict, TensorSpecs
+from delta_swap.verify_budget import VerifyBudget
 
 from .module_groups import complete_modules, module_groups, module_of
 from .worker_results import read_worker_results
@@ -55,6 +57,8 @@ class StagedFile:
     #: (the same file when the update already holds them all, or when nothing is verified).
     verify_path: str
     verify_names: list[str]
+    #: Whether this swap is read back (``verify_swaps`` and its budget decide when staging).
+    verify: bool = False
 
 
 def packed_modules_of(vllm_config: Any) -> Mapping[str, Sequence[str]] | None:
@@ -119,6 +123,8 @@ class VllmAdapter(EngineAdapter):
         self.last_verification: dict[str, Any] | None = None
         self._groups: dict[str, list[str]] = module_groups(served.specs, packed or {})
         self._drain = settings.drain
+        #: Which reloads are read back (verify_swaps), and how many were.
+        self.verify_budget = VerifyBudget(settings.verify_swaps)
 
     @classmethod
     def for_engine(cls, engine_client: Any, settings: Settings, model: str) -> VllmAdapter:
@@ -135,6 +141,7 @@ class VllmAdapter(EngineAdapter):
             "swap_path": "arena" if self.arenas else ("reload" if self._described else None),
             "swap_path_reason": self.path_reason,
             "last_verification": self.last_verification,
+            "verification": self.verify_budget.describe(),
         }
 
     async def _call(self, info: dict[str, Any], version: str | None = None) -> None:
@@ -203,8 +210,8 @@ class VllmAdapter(EngineAdapter):
 
         # What the verification compares with: whole modules, computed apart from the completion above
         # (so a completion that missed a tensor is caught); the same file whenever they agree.
-        check, check_path = names, path
-        if self.settings.verify_swaps:
+        check, check_path, verify = names, path, self.verify_budget.due()
+        if verify:
             touched = {module_of(n, self.packed or {}) for n in names}
             check = sorted(n for n in update.state if module_of(n, self.packed or {}) in touched)
             check_path = path if check == names else path.replace(".safetensors", ".verify.safetensors")
@@ -215,7 +222,7 @@ class VllmAdapter(EngineAdapter):
                     write_safetensors(fh, [(n, update.state[n]) for n in tensors])
 
         await asyncio.to_thread(write)
-        return StagedFile(path, names, check_path, check)
+        return StagedFile(path, names, check_path, check, verify)
 
     async def unstage(self, staged: StagedFile | Arena) -> None:
         if isinstance(staged, StagedFile):
@@ -252,10 +259,14 @@ class VllmAdapter(EngineAdapter):
             assert self.arenas is not None
             self.arenas.live = staged
         else:
-            if self.settings.verify_swaps:  # read back before the engine generates on the new weights
+            started, check_s = time.perf_counter(), None
+            if staged.verify:  # read back before the engine generates on the new weights
                 await self._load_and_verify(staged)
+                assert self.last_verification is not None
+                check_s = self.last_verification["seconds"]
             else:
                 await self._call({"op": "load", "path": staged.path, "names": staged.names})
+            self.verify_budget.record(time.perf_counter() - started - (check_s or 0.0), check_s)
             if update.version is not None:
                 await self.engine.update_weight_version(update.version)
         # No new request may reuse KV computed with the old weights: drop the prefix cache. Requests

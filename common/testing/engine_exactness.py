@@ -142,7 +142,7 @@ class EngineExactnessTests:
             "poll_interval": 0.2,
             "drain": "wait",
             "swap_path": self.swap_path,
-            "verify_swaps": True,
+            "verify_swaps": "always",
             **self.settings,
         }
         server = self.start_server(base, workdir, settings, "plugin.log")
