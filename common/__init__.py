@@ -36,6 +36,8 @@ point here::
              engine_adapter         the contract an engine adapter implements (EngineAdapter)
              arena                  weight arenas: one flat buffer per dtype, a live and a spare copy
              torch_params           pointing an engine's parameters into an arena
+             module_groups          which checkpoint tensors an engine loads into one module
+             readback               reading back what an engine computes with after a swap (torch)
              verify_budget          when to read a swap back (verify_swaps=auto: within 10% of windows)
              swap                   one update, all or nothing: stage, pause, swap, roll back, resume
              subscriber             poll, plan, fetch, verify, then apply_update

@@ -34,6 +34,7 @@ import asyncio
 import json
 import logging
 import os
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -41,11 +42,14 @@ from typing import Any
 from delta_swap.arena import Arena, ArenaLayout, ArenaPair
 from delta_swap.engine_adapter import EngineAdapter, WeightUpdate
 from delta_swap.errors import EngineError
+from delta_swap.module_groups import module_of
+from delta_swap.safetensors_io import write_safetensors
 from delta_swap.served_model import ServedModel
 from delta_swap.settings import DrainPolicy, Settings
 from delta_swap.tensors import StateDict, TensorSpecs
+from delta_swap.verify_budget import VerifyBudget
 
-from .engine_ops import LAYOUT_FILE_ENV, LOADER
+from .engine_ops import DEFAULT_PACKED, LAYOUT_FILE_ENV, LOADER
 from .staging import Bucket, pack
 
 log = logging.getLogger("sglang_delta_plugin")
@@ -76,6 +80,10 @@ class SglangAdapter(EngineAdapter):
         self._described = False
         #: Why this server swaps the way it does (shown in the status).
         self.path_reason: str | None = None
+        #: Which loads are read back (verify_swaps), how many were, and what the last one checked.
+        self.verify_budget = VerifyBudget(self.settings.verify_swaps)
+        self.last_verification: dict[str, Any] | None = None
+        self._packed: dict[str, list[str]] | None = None
 
     async def weight_version(self) -> str | None:
         return self.tm.config_value("weight_version")
@@ -84,6 +92,8 @@ class SglangAdapter(EngineAdapter):
         return {
             "swap_path": "arena" if self.arenas else ("tensor" if self._described else None),
             "swap_path_reason": self.path_reason,
+            "last_verification": self.last_verification,
+            "verification": self.verify_budget.describe(),
         }
 
     async def destination(self, specs: TensorSpecs) -> StateDict | None:
@@ -95,6 +105,7 @@ class SglangAdapter(EngineAdapter):
             except (OSError, ValueError):
                 doc = {"layout": None, "reason": "the scheduler wrote no layout"}
             self.path_reason = doc.get("reason") or ("parameters are plain host tensors" if doc["layout"] else None)
+            self._packed = doc.get("packed")
             if doc["layout"]:
                 layout = ArenaLayout.from_json(doc["layout"])
                 try:
@@ -118,7 +129,27 @@ class SglangAdapter(EngineAdapter):
                 raise EngineError("sglang: an update outside the weight arenas after the engine moved into them")
         if not update.names:  # same bytes as now (e.g. a step that reverts): only the version moves
             return None
-        return await asyncio.to_thread(pack, update.state, sorted(update.names), update.checksums, self.tp_size)
+        bucket = await asyncio.to_thread(pack, update.state, sorted(update.names), update.checksums, self.tp_size)
+        if self.verify_budget.due():
+            bucket.check_path = await asyncio.to_thread(self._write_check_file, update)
+        return bucket
+
+    def _write_check_file(self, update: WeightUpdate) -> str:
+        """What the read-back compares with: every tensor of the modules the update loads into
+        (and, for a tied embedding, the module sharing it reads the same file)."""
+        packed = self._packed or DEFAULT_PACKED
+        touched = {module_of(n, packed) for n in update.names}
+        names = sorted(n for n in update.state if module_of(n, packed) in touched)
+        path = os.path.join(
+            self.settings.staging_dir, f"delta-swap-check-{os.getpid()}-{uuid.uuid4().hex[:8]}.safetensors"
+        )
+        with open(path, "wb") as fh:
+            write_safetensors(fh, [(n, update.state[n]) for n in names])
+        return path
+
+    async def unstage(self, staged: Any) -> None:
+        if isinstance(staged, Bucket) and staged.check_path:
+            Path(staged.check_path).unlink(missing_ok=True)
 
     async def close(self) -> None:
         if self.arenas is not None:  # the scheduler keeps its mappings until it exits
@@ -226,27 +257,47 @@ class SglangAdapter(EngineAdapter):
         elif isinstance(staged, Arena):
             await self._commit(staged, version)
         else:
+            started = time.perf_counter()
             await self._update(staged.payloads, "flattened_bucket", version)
             log.info("delta_swap: loaded %d tensors (%.1f MB) as %s", len(update.names), staged.nbytes / 1e6, version)
+            check_s = await self._read_back(staged.check_path, version) if staged.check_path else None
+            self.verify_budget.record(time.perf_counter() - started - (check_s or 0.0), check_s)
+
+    async def _read_back(self, check_path: str, version: str) -> float | None:
+        """Have the scheduler read back what the loaded modules compute with (before the engine
+        generates on them); the check's seconds, or None where it cannot run."""
+        if self.tp_size > 1:
+            self.last_verification = {"checks": 0, "seconds": 0.0, "skipped": "tensor parallel ranks hold shards"}
+            return None
+        outcome = await self._run_op({"op": "verify", "path": check_path}, version)
+        if not outcome.get("ok"):
+            raise EngineError(f"sglang: {outcome.get('error')}")
+        self.last_verification = {"checks": outcome["checks"], "seconds": outcome["seconds"], "workers": 1}
+        return float(outcome["seconds"])
 
     async def _commit(self, arena: Arena, version: str) -> None:
         """Have the scheduler point every parameter at ``arena`` (delta-swap's custom loader)."""
-        import torch
-        from sglang.srt.utils import MultiprocessingSerializer
-
-        result = Path(self.settings.staging_dir) / f"delta-swap-result-{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
-        op = json.dumps({"op": "commit", "path": str(arena.path), "result": str(result)})
-        try:
-            await self._update([MultiprocessingSerializer.serialize([(op, torch.zeros(1))])], LOADER, version)
-            outcome = json.loads(result.read_text())
-        except (OSError, ValueError) as exc:
-            raise EngineError(f"sglang: the weight loader reported nothing ({exc})") from None
-        finally:
-            result.unlink(missing_ok=True)
+        outcome = await self._run_op({"op": "commit", "path": str(arena.path)}, version)
         if not outcome.get("ok"):
             raise EngineError(f"sglang: switching to the new weights failed: {outcome.get('error')}")
         assert self.arenas is not None
         self.arenas.live = arena
+
+    async def _run_op(self, op: dict[str, Any], version: str) -> dict[str, Any]:
+        """One operation of delta-swap's custom loader in the scheduler (:mod:`.engine_ops`), and
+        the outcome it wrote."""
+        import torch
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        result = Path(self.settings.staging_dir) / f"delta-swap-result-{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
+        name = json.dumps({**op, "result": str(result)})
+        try:
+            await self._update([MultiprocessingSerializer.serialize([(name, torch.zeros(1))])], LOADER, version)
+            return dict(json.loads(result.read_text()))
+        except (OSError, ValueError) as exc:
+            raise EngineError(f"sglang: the weight loader reported nothing ({exc})") from None
+        finally:
+            result.unlink(missing_ok=True)
 
     async def _update(self, payloads: list[bytes], load_format: str, version: str) -> None:
         from sglang.srt.managers.io_struct import (

@@ -4,8 +4,10 @@
   loaded model's parameters out as a weight-arena layout and writes it (or the reason there is
   none) to the file named by ``$DELTA_SWAP_LAYOUT_FILE``, which the HTTP server process reads;
 * :func:`run` is registered as a ``--custom-weight-loader``: the adapter calls it through
-  ``update_weights_from_tensor(load_format=...)`` with one operation encoded in the tensor's name,
-  ``{"op": "commit", "path": ARENA, "result": FILE}``, and it points every parameter at that arena.
+  ``update_weights_from_tensor(load_format=...)`` with one operation encoded in the tensor's name:
+  ``{"op": "commit", "path": ARENA, "result": FILE}`` points every parameter at that arena;
+  ``{"op": "verify", "path": SAFETENSORS, "result": FILE}`` reads back, after a load, what the
+  modules those tensors load into now compute with (:mod:`delta_swap.readback`).
 
 An exception escaping a custom loader ends SGLang's whole server, so :func:`run` never raises: it
 validates everything before the first parameter moves and reports the outcome in the result file.
@@ -33,17 +35,22 @@ _state: dict[str, Any] = {"layout": None, "arenas": {}}
 
 
 def describe_after_init(result: Any, scheduler: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
-    """Write the arena layout of this scheduler's model (TP rank 0 of a single-rank server)."""
+    """Write the arena layout of this scheduler's model (TP rank 0 of a single-rank server) and its
+    fused-module mapping (which checkpoint tensors load into one module, for the read-back)."""
     output = os.environ.get(LAYOUT_FILE_ENV)
     if not output or LOADER not in (getattr(server_args, "custom_weight_loader", None) or []):
         return
+    packed = None
     try:
+        model = scheduler.tp_worker.model_runner.model
+        packed = {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", None) or DEFAULT_PACKED).items()}
         layout, reason = _describe(scheduler, server_args)
     except Exception as exc:  # never break the scheduler's start
         layout, reason = None, f"describing the parameters failed: {type(exc).__name__}: {exc}"
     _state["layout"] = layout
     try:
-        Path(output).write_text(json.dumps({"layout": layout and layout.to_json(), "reason": reason}))
+        doc = {"layout": layout and layout.to_json(), "reason": reason, "packed": packed}
+        Path(output).write_text(json.dumps(doc))
     except OSError:  # a full staging folder: the HTTP server then takes the tensor path
         log.exception("delta_swap: cannot write the parameter layout to %s", output)
 
@@ -79,11 +86,15 @@ def run(model: Any, named_tensors: list[tuple[str, Any]]) -> None:
     try:
         op = json.loads(named_tensors[0][0])
         result = op.get("result")
-        if op.get("op") != "commit":
-            raise ValueError(f"unknown operation {op.get('op')!r}")
         started = time.perf_counter()
-        _commit(model, str(op["path"]))
-        outcome: dict[str, Any] = {"ok": True, "seconds": time.perf_counter() - started}
+        outcome: dict[str, Any] = {"ok": True}
+        if op.get("op") == "commit":
+            _commit(model, str(op["path"]))
+        elif op.get("op") == "verify":
+            outcome["checks"] = _verify(model, str(op["path"]))
+        else:
+            raise ValueError(f"unknown operation {op.get('op')!r}")
+        outcome["seconds"] = time.perf_counter() - started
     except Exception as exc:  # an exception here would end the whole server
         log.error("delta_swap: %s", traceback.format_exc())
         outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
@@ -105,3 +116,17 @@ def _commit(model: Any, path: str) -> None:
     if path not in arenas:
         arenas[path] = Arena(path, layout)
     point_parameters(dict(model.named_parameters()), arenas[path])
+
+
+def _verify(model: Any, path: str) -> int:
+    """Read back the modules the tensors of the safetensors file ``path`` load into (and those
+    sharing a parameter with them) against those tensors; raises on the first difference."""
+    import torch
+    from safetensors.torch import load_file
+
+    from delta_swap.readback import verify_modules
+
+    published = load_file(path)
+    packed = dict(getattr(model, "packed_modules_mapping", None) or DEFAULT_PACKED)
+    with torch.inference_mode():
+        return verify_modules(model, published, packed)

@@ -44,6 +44,8 @@ class Bucket:
     #: rank, as SGLang expects (each rank deserializes, and so receives the descriptor, once).
     payloads: list[bytes]
     nbytes: int
+    #: A safetensors file of the tensors the read-back after the load compares with (None: not read back).
+    check_path: str | None = None
 
 
 def pack(

@@ -4,15 +4,19 @@ weights. One plugin server per family and path; a fresh server per checkpoint as
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
 import httpx
 import pytest
 
+from delta_swap.testing.engine_exactness import PARTIAL_DELTAS
 from examples.servers import sglang as sglang_server
 from examples.servers.process import Server
+from examples.tiny_model import make_tiny_model, perturb_weights
 from tests.support.exactness import TinyModelExactness
+from tests.support.rollout_scenarios import publish_dirs, status, wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -68,3 +72,32 @@ class TestQwen3TiedTensorTP2(SglangExactness):
     family, swap_path = "qwen3", "reload"
     extra = ("--tp-size", "2")
     env = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+REVERT_FIXES = Path(__file__).parent / "support" / "revert_fixes"
+
+
+def test_the_read_back_catches_an_engine_whose_load_leaves_the_embedding_stale(tmp_path) -> None:
+    """The scheduler reads back what it computes with after each tensor load: an engine bug that
+    keeps the old embedding (put in by tests/support/revert_fixes) is refused before it serves,
+    the status names the tensor, and the server stays on the last good step."""
+    base = make_tiny_model(tmp_path / "A", family="qwen3")
+    what, only = PARTIAL_DELTAS["qwen3"][0]  # the embedding alone of a tied model
+    step1 = perturb_weights(base, tmp_path / "B", only=only, seed=1)
+    store = tmp_path / "store"
+    publish_dirs(store, [(0, base)], None)
+    env = {
+        "DELTA_SWAP_REVERT_FIXES": "stale_embedding",
+        "PYTHONPATH": os.pathsep.join([str(REVERT_FIXES), os.environ.get("PYTHONPATH", "")]),
+    }
+    settings = {"store": store.as_uri(), "poll_interval": 0.2, "swap_path": "reload", "verify_swaps": "always"}
+    server = sglang_server.start(base, tmp_path, settings=settings, served_name="tiny", env=env)
+    try:
+        wait_for(server.url, lambda s: s["current_step"] == 0, timeout=300)
+        publish_dirs(store, [(1, step1)], None)
+        st = wait_for(server.url, lambda s: s["failures"] > 0 or s["current_step"] == 1, timeout=300)
+        assert st["current_step"] == 0, f"{what}: a stale embedding was served without a complaint: {st}"
+        assert "other values than the snapshot" in st["last_error"] and "embed_tokens" in st["last_error"], st
+        assert status(server.url)["weight_version"] == "step-0000000000"
+    finally:
+        server.stop()

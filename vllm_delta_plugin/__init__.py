@@ -8,8 +8,8 @@ snapshot of a store.
 * :mod:`.adapter` is the engine adapter: stage, drain, update, resume through vLLM's engine client;
 * :mod:`.transfer_engine` is the weight-transfer backend in each worker: it points parameters into
   weight arenas, or loads staged tensors through vLLM's layerwise reload;
-* :mod:`.module_groups` knows which checkpoint tensors vLLM loads into one module (fused q/k/v,
-  gate/up, an MoE layer's experts), so a reload gets whole modules;
-* :mod:`.verify` reads back what a worker's model computes with after a swap (``verify_swaps``);
+* :mod:`.worker_results` carries every worker's answer (describe, read-back) to the API server;
+  a reload gets whole modules (:mod:`delta_swap.module_groups`) and is read back before the
+  engine generates (:mod:`delta_swap.readback`, ``verify_swaps``);
 * :mod:`.versions` tags OpenAI responses with the weight versions that produced them.
 """

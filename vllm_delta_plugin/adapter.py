@@ -7,7 +7,7 @@ Two paths, chosen once per server from what the workers report (``describe``):
   engine's parameters, and the swap points every parameter at it (``commit``): the pause does not
   grow with the model, and the spare arena is the only copy delta-swap adds;
 * **reload** (everywhere else, or with ``DELTA_SWAP_SWAP_PATH=reload``): the changed tensors,
-  completed to whole modules (:mod:`.module_groups`: fused q/k/v and gate/up with their biases,
+  completed to whole modules (:mod:`delta_swap.module_groups`: fused q/k/v and gate/up with their biases,
   every expert of an MoE layer), are staged as one safetensors file in shared memory and loaded
   through vLLM's layerwise reload.
 
@@ -35,13 +35,13 @@ from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 from delta_swap.arena import Arena, ArenaLayout, ArenaPair
 from delta_swap.engine_adapter import EngineAdapter, WeightUpdate
 from delta_swap.errors import EngineError
+from delta_swap.module_groups import complete_modules, module_groups, module_of
 from delta_swap.safetensors_io import write_safetensors
 from delta_swap.served_model import ServedModel
 from delta_swap.settings import DrainPolicy, Settings, SwapPath
 from delta_swap.tensors import StateDict, TensorSpecs
 from delta_swap.verify_budget import VerifyBudget
 
-from .module_groups import complete_modules, module_groups, module_of
 from .worker_results import read_worker_results
 
 log = logging.getLogger("vllm_delta_plugin")

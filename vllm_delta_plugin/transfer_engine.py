@@ -42,13 +42,13 @@ from delta_swap.arena import Arena, ArenaLayout
 from delta_swap.checkpoint_dir import read_checkpoint_dir
 from delta_swap.dtypes import from_torch_dtype
 from delta_swap.errors import ChecksumMismatchError, IncompatibleSnapshotError
+from delta_swap.module_groups import complete_modules, module_groups, module_of
+from delta_swap.readback import modules_sharing_parameters_with as _modules_sharing_parameters_with
+from delta_swap.readback import verify_modules
 from delta_swap.served_model import ServedModel
 from delta_swap.settings import Settings, SwapPath
 from delta_swap.torch_params import check_matches, plan_layout, point_parameters
 
-from .module_groups import complete_modules, module_groups, module_of
-from .verify import modules_sharing_parameters_with as _modules_sharing_parameters_with
-from .verify import verify_modules
 from .worker_results import write_worker_result
 
 log = logging.getLogger("vllm_delta_plugin")

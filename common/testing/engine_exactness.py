@@ -176,8 +176,9 @@ class EngineExactnessTests:
             st = wait_for(chain.server.url, reached, 300)
             assert st["current_step"] == step and st["last_error"] is None, (what, st)
             verification = st.get("last_verification")
-            if st["swap_path"] == "reload" and verification is not None and not verification.get("skipped"):
-                assert verification["checks"] > 0, st  # the engine's read-back ran
+            if st["swap_path"] in ("reload", "tensor"):  # read back with verify_swaps=always
+                assert verification is not None, st
+                assert verification.get("skipped") or verification["checks"] > 0, st  # the read-back ran
             served = self._served(chain.server.url)
             reference = self._reference(checkpoint, chain.workdir, f"ref-{step}.log")
             assert reference != before, f"step {step} ({what}) changes no logprob: the check could not fail"

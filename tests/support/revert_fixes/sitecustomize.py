@@ -3,14 +3,19 @@ remove, so a test can show that the post-swap verification catches each of them.
 
 Started with this folder on PYTHONPATH and ``DELTA_SWAP_REVERT_FIXES`` naming the fixes to revert
 (comma-separated): ``tied`` (no re-processing of a tied lm_head), ``experts`` (no CPU experts
-prepack after a reload), ``modules`` (no completion of updates to whole modules)."""
+prepack after a reload), ``modules`` (no completion of updates to whole modules).
+
+For SGLang, whose loader needs none of those fixes, ``stale_embedding`` puts in an engine bug of
+the same kind instead: its tensor updates leave ``embed_tokens`` as it was (and, on a tied model,
+the lm_head that shares it), with a clean result, so a test can show the read-back catches it."""
 
 import importlib.abc
 import os
 import sys
 
 _REVERT = {name for name in os.environ.get("DELTA_SWAP_REVERT_FIXES", "").split(",") if name}
-_TARGETS = {"vllm_delta_plugin.transfer_engine", "vllm_delta_plugin.adapter"}
+_SGLANG_UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater"
+_TARGETS = {"vllm_delta_plugin.transfer_engine", "vllm_delta_plugin.adapter", _SGLANG_UPDATER}
 
 
 def _revert(module) -> None:
@@ -21,6 +26,18 @@ def _revert(module) -> None:
             module._reloaded_cpu_experts = lambda model, touched: []
     if "modules" in _REVERT and hasattr(module, "complete_modules"):
         module.complete_modules = lambda names, groups, packed: set(names)
+    if module.__name__ == _SGLANG_UPDATER and "stale_embedding" in _REVERT:
+        load = module.WeightUpdater._update_weights_from_flattened_bucket
+
+        def stale(self, *args, **kwargs):
+            params = dict(self.get_model().named_parameters())
+            kept = {n: p.detach().clone() for n, p in params.items() if "embed_tokens" in n}
+            out = load(self, *args, **kwargs)
+            for name, value in kept.items():
+                params[name].data.copy_(value)
+            return out
+
+        module.WeightUpdater._update_weights_from_flattened_bucket = stale
 
 
 class _Finder(importlib.abc.MetaPathFinder):

@@ -1,4 +1,6 @@
-"""Which checkpoint tensors vLLM loads into one module: they must travel together in a reload.
+"""Which checkpoint tensors an engine loads into one module: they must travel together in a reload,
+and a read-back (:mod:`.readback`) checks them together. vLLM and SGLang name their fused modules
+alike (``qkv_proj``, ``gate_up_proj``, ``...experts``).
 
 vLLM's layerwise reload rebuilds a module from the tensors it receives and processes it once
 every element arrived; a module that gets only some of its tensors is rebuilt around
