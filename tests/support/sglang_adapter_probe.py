@@ -20,7 +20,7 @@ from delta_swap.checksum import checksum
 from delta_swap.engine_adapter import WeightUpdate
 from delta_swap.errors import DeltaSwapError, EngineError, IncompatibleSnapshotError
 from delta_swap.served_model import ServedModel
-from delta_swap.settings import DrainPolicy, Settings
+from delta_swap.settings import DrainPolicy, Settings, VerifySwaps
 from delta_swap.swap import apply_update
 from delta_swap.tensors import HostTensor
 from sglang_delta_plugin.adapter import SglangAdapter
@@ -115,8 +115,11 @@ async def swap(
     tm: FakeTokenizerManager, drain: str, up: WeightUpdate, timeout: float = 30.0, tp_size: int = 1
 ) -> dict[str, float]:
     """One update through the core's skeleton and the real adapter."""
-    adapter = SglangAdapter(tm, ServedModel("/nonexistent", LAYOUT), tp_size=tp_size)
-    settings = Settings(store="file:///unused", drain=DrainPolicy(drain), drain_timeout=timeout)
+    # No read-back: this scripted engine has no model (the real scheduler's is in test_sglang_exactness).
+    settings = Settings(
+        store="file:///unused", drain=DrainPolicy(drain), drain_timeout=timeout, verify_swaps=VerifySwaps.NEVER
+    )
+    adapter = SglangAdapter(tm, ServedModel("/nonexistent", LAYOUT), settings, tp_size=tp_size)
     return await apply_update(adapter, up, settings)
 
 
