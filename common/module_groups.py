@@ -47,6 +47,15 @@ def module_groups(names: Iterable[str], packed: Mapping[str, Sequence[str]]) -> 
     return groups
 
 
+def tensors_of_modules(
+    names: Iterable[str], candidates: Iterable[str], packed: Mapping[str, Sequence[str]]
+) -> list[str]:
+    """The ``candidates`` that load into a module one of ``names`` loads into (sorted): what a
+    read-back of those modules compares with."""
+    touched = {module_of(name, packed) for name in names}
+    return sorted(name for name in candidates if module_of(name, packed) in touched)
+
+
 def complete_modules(
     names: Iterable[str], groups: Mapping[str, Sequence[str]], packed: Mapping[str, Sequence[str]]
 ) -> set[str]:

@@ -1,10 +1,10 @@
 """Reading back what an engine's model holds, after a swap and before it generates (torch only:
 vLLM's workers and SGLang's scheduler call it on their own model, where the parameters live).
 
-The reload path hands tensors to the engine's loaders (vLLM's, SGLang's), which copy, fuse, pad and repack them (oneDNN
-and AMX handles for linear layers, a prepacked layout for CPU experts). :func:`verify_modules`
-checks that the engine now computes with exactly the published values, through the engine's own
-layout, at a bounded cost per module:
+The reload path hands tensors to the engine's loaders (vLLM's, SGLang's), which copy, fuse, pad
+and repack them (oneDNN and AMX handles for linear layers, a prepacked layout for CPU experts).
+:func:`verify_modules` checks that the engine now computes with exactly the published values,
+through the engine's own layout, at a bounded cost per module:
 
 * plain parameters (norms, biases, embeddings) are compared element by element at up to
   ``samples`` evenly spread positions;

@@ -137,9 +137,9 @@ class Settings:
     verify_swaps: VerifySwaps = VerifySwaps.AUTO
     """After a swap, before the engine generates again, read back what it computes with (a bounded
     sample per module, through the engine's own layout) and roll back on any difference (vLLM's
-    reload path). auto: every swap while that costs at most 10% of the swap windows, else as many
-    swaps as keep it there on average (the check's cost is bounded per module, the window grows with
-    the model: 17-57 ms against a 70-250 ms window at 51-205 MB, python -m benchmarks.verify_cost);
+    reload path, SGLang's tensor path). auto: every swap while that costs at most 10% of the swap
+    windows, else as many swaps as keep it there on average (the check's cost is bounded per module,
+    the window grows with the model: python -m benchmarks.verify_cost, figures in the README);
     always; never (true and false mean always and never)."""
 
     swap_path: SwapPath = SwapPath.AUTO

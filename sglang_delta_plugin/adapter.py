@@ -42,7 +42,7 @@ from typing import Any
 from delta_swap.arena import Arena, ArenaLayout, ArenaPair
 from delta_swap.engine_adapter import EngineAdapter, WeightUpdate
 from delta_swap.errors import EngineError
-from delta_swap.module_groups import module_of
+from delta_swap.module_groups import tensors_of_modules
 from delta_swap.safetensors_io import write_safetensors
 from delta_swap.served_model import ServedModel
 from delta_swap.settings import DrainPolicy, Settings
@@ -82,7 +82,9 @@ class SglangAdapter(EngineAdapter):
         self.path_reason: str | None = None
         #: Which loads are read back (verify_swaps), how many were, and what the last one checked.
         self.verify_budget = VerifyBudget(self.settings.verify_swaps)
-        self.last_verification: dict[str, Any] | None = None
+        self.last_verification: dict[str, Any] | None = (
+            {"checks": 0, "seconds": 0.0, "skipped": "tensor parallel ranks hold shards"} if tp_size > 1 else None
+        )
         self._packed: dict[str, list[str]] | None = None
 
     async def weight_version(self) -> str | None:
@@ -130,16 +132,14 @@ class SglangAdapter(EngineAdapter):
         if not update.names:  # same bytes as now (e.g. a step that reverts): only the version moves
             return None
         bucket = await asyncio.to_thread(pack, update.state, sorted(update.names), update.checksums, self.tp_size)
-        if self.verify_budget.due():
+        if self.tp_size == 1 and self.verify_budget.due():  # ranks of a larger TP hold shards: not read back
             bucket.check_path = await asyncio.to_thread(self._write_check_file, update)
         return bucket
 
     def _write_check_file(self, update: WeightUpdate) -> str:
         """What the read-back compares with: every tensor of the modules the update loads into
         (and, for a tied embedding, the module sharing it reads the same file)."""
-        packed = self._packed or DEFAULT_PACKED
-        touched = {module_of(n, packed) for n in update.names}
-        names = sorted(n for n in update.state if module_of(n, packed) in touched)
+        names = tensors_of_modules(update.names, update.state, self._packed or DEFAULT_PACKED)
         path = os.path.join(
             self.settings.staging_dir, f"delta-swap-check-{os.getpid()}-{uuid.uuid4().hex[:8]}.safetensors"
         )
@@ -263,12 +263,9 @@ class SglangAdapter(EngineAdapter):
             check_s = await self._read_back(staged.check_path, version) if staged.check_path else None
             self.verify_budget.record(time.perf_counter() - started - (check_s or 0.0), check_s)
 
-    async def _read_back(self, check_path: str, version: str) -> float | None:
+    async def _read_back(self, check_path: str, version: str) -> float:
         """Have the scheduler read back what the loaded modules compute with (before the engine
-        generates on them); the check's seconds, or None where it cannot run."""
-        if self.tp_size > 1:
-            self.last_verification = {"checks": 0, "seconds": 0.0, "skipped": "tensor parallel ranks hold shards"}
-            return None
+        generates on them); the check's seconds."""
         outcome = await self._run_op({"op": "verify", "path": check_path}, version)
         if not outcome.get("ok"):
             raise EngineError(f"sglang: {outcome.get('error')}")

@@ -34,6 +34,11 @@ DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["
 _state: dict[str, Any] = {"layout": None, "arenas": {}}
 
 
+def packed_modules(model: Any) -> dict[str, list[str]]:
+    """The model's fused modules and the checkpoint tensors each is loaded from."""
+    return {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", None) or DEFAULT_PACKED).items()}
+
+
 def describe_after_init(result: Any, scheduler: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
     """Write the arena layout of this scheduler's model (TP rank 0 of a single-rank server) and its
     fused-module mapping (which checkpoint tensors load into one module, for the read-back)."""
@@ -42,8 +47,7 @@ def describe_after_init(result: Any, scheduler: Any, server_args: Any, *args: An
         return
     packed = None
     try:
-        model = scheduler.tp_worker.model_runner.model
-        packed = {k: list(v) for k, v in (getattr(model, "packed_modules_mapping", None) or DEFAULT_PACKED).items()}
+        packed = packed_modules(scheduler.tp_worker.model_runner.model)
         layout, reason = _describe(scheduler, server_args)
     except Exception as exc:  # never break the scheduler's start
         layout, reason = None, f"describing the parameters failed: {type(exc).__name__}: {exc}"
@@ -70,8 +74,7 @@ def _describe(scheduler: Any, server_args: Any) -> tuple[Any, str]:
     if not served.specs or served.checkpoint_dir is None:
         return None, "the served checkpoint is not a local folder"
     params = dict(model.named_parameters())
-    packed = dict(getattr(model, "packed_modules_mapping", None) or DEFAULT_PACKED)
-    layout, reason = plan_layout(params, packed, served.specs)
+    layout, reason = plan_layout(params, packed_modules(model), served.specs)
     if layout is not None:
         checkpoint, _ = read_checkpoint_dir(served.checkpoint_dir)
         mismatch = check_matches(params, layout, checkpoint)
@@ -127,6 +130,5 @@ def _verify(model: Any, path: str) -> int:
     from delta_swap.readback import verify_modules
 
     published = load_file(path)
-    packed = dict(getattr(model, "packed_modules_mapping", None) or DEFAULT_PACKED)
     with torch.inference_mode():
-        return verify_modules(model, published, packed)
+        return verify_modules(model, published, packed_modules(model))

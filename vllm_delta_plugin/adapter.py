@@ -35,7 +35,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 from delta_swap.arena import Arena, ArenaLayout, ArenaPair
 from delta_swap.engine_adapter import EngineAdapter, WeightUpdate
 from delta_swap.errors import EngineError
-from delta_swap.module_groups import complete_modules, module_groups, module_of
+from delta_swap.module_groups import complete_modules, module_groups, tensors_of_modules
 from delta_swap.safetensors_io import write_safetensors
 from delta_swap.served_model import ServedModel
 from delta_swap.settings import DrainPolicy, Settings, SwapPath
@@ -212,8 +212,7 @@ class VllmAdapter(EngineAdapter):
         # (so a completion that missed a tensor is caught); the same file whenever they agree.
         check, check_path, verify = names, path, self.verify_budget.due()
         if verify:
-            touched = {module_of(n, self.packed or {}) for n in names}
-            check = sorted(n for n in update.state if module_of(n, self.packed or {}) in touched)
+            check = tensors_of_modules(names, update.state, self.packed or {})
             check_path = path if check == names else path.replace(".safetensors", ".verify.safetensors")
 
         def write() -> None:
