@@ -44,6 +44,8 @@ point here::
              metrics                Prometheus metrics of the subscriber
     serving  admin_routes           /delta_swap/status, /resync, /notify (FastAPI)
              service                what an engine plugin calls: mount routes, start, stop
+             front_ends             several HTTP front ends of one deployment: the first runs the
+                                    subscriber, the others answer for it and serve its version
              version_tags           OpenAI responses tagged with the weight version that made them
              testing/               RecordingAdapter, a complete adapter with no engine;
                                     engine_exactness, the suite every engine's tests subclass

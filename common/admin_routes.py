@@ -9,8 +9,10 @@ it). One resync runs at a time (another gets 409), and a resync never moves the 
 older step unless the request says ``?allow_older=1``. Notifies are coalesced by the subscriber
 (at most one poll per ``notify_interval``).
 
-The server's subscriber lives on the app's state under one attribute, read and written only
-through :func:`subscriber_of` and :func:`set_subscriber`.
+The routes act on the app's :class:`RouteTarget`: the server's subscriber, or where several HTTP
+front ends serve one deployment, the front end that leads or follows it (:mod:`.front_ends`). It
+lives on the app's state under one attribute, read and written only through :func:`subscriber_of`
+and :func:`set_subscriber`.
 """
 
 from __future__ import annotations
@@ -18,13 +20,13 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 if TYPE_CHECKING:
-    from .subscriber import Subscriber
+    from .settings import Settings
 
 log = logging.getLogger("delta_swap.admin")
 
@@ -32,21 +34,42 @@ log = logging.getLogger("delta_swap.admin")
 STATE_ATTR = "delta_swap"
 
 
-def set_subscriber(state: Any, subscriber: Subscriber | None) -> None:
+class RouteTarget(Protocol):
+    """What the routes need of a subscriber (:class:`~delta_swap.subscriber.Subscriber` is one)."""
+
+    settings: Settings
+
+    @property
+    def resync_running(self) -> bool: ...
+
+    @property
+    def served_snapshot_id(self) -> str | None: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+    async def describe(self) -> dict[str, Any]: ...
+
+    async def resync(self, *, allow_older: bool = False) -> bool: ...
+
+    def wake(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+def set_subscriber(state: Any, subscriber: RouteTarget | None) -> None:
     """Attach ``subscriber`` to an app's state (``app.state``)."""
     setattr(state, STATE_ATTR, subscriber)
 
 
-def subscriber_of(app: Any) -> Subscriber | None:
+def subscriber_of(app: Any) -> RouteTarget | None:
     """The subscriber attached to ``app``, or None."""
     return getattr(app.state, STATE_ATTR, None)
 
 
 def served_version(state: Any) -> str | None:
     """The snapshot the server behind an app's state serves now (None before the first sync)."""
-    subscriber = getattr(state, STATE_ATTR, None)
-    current = subscriber.current if subscriber is not None else None
-    return current.snapshot_id if current is not None else None
+    subscriber: RouteTarget | None = getattr(state, STATE_ATTR, None)
+    return subscriber.served_snapshot_id if subscriber is not None else None
 
 
 def mount_admin_routes(app: FastAPI, not_configured: str) -> None:
@@ -69,7 +92,7 @@ def _router(not_configured: str) -> APIRouter:
             return unavailable()
         return JSONResponse(await sub.describe())
 
-    def admin(request: Request) -> tuple[Subscriber | None, JSONResponse | None]:
+    def admin(request: Request) -> tuple[RouteTarget | None, JSONResponse | None]:
         """The subscriber, if the caller may use a POST route; else the response that refuses it."""
         sub = subscriber_of(request.app)
         if sub is None:

@@ -6,7 +6,9 @@ An engine plugin does three things, at the points its engine offers:
   weight versions on the OpenAI-compatible completion routes (the plugin also feeds it the
   engine's spans, :func:`delta_swap.version_tags.record`);
 * :func:`start` once the engine is up, with the settings and the engine adapter: it builds the
-  subscriber, attaches it to the app state and starts following the store on the running loop;
+  subscriber, attaches it to the app state and starts following the store on the running loop
+  (where several HTTP front ends serve one deployment, the first one does, and the others follow
+  it: :mod:`.front_ends`);
 * :func:`stop` when the server shuts down.
 """
 
@@ -17,6 +19,7 @@ from typing import Any
 
 from .admin_routes import admin_access_line, mount_admin_routes, served_version, set_subscriber, subscriber_of
 from .engine_adapter import EngineAdapter
+from .front_ends import Follower, FrontEnd, Leader
 from .settings import Settings
 from .stores.base import public_url
 from .version_tags import WeightVersionMiddleware
@@ -35,13 +38,22 @@ def mount(app: Any, not_configured: str) -> None:
     app.add_middleware(WeightVersionMiddleware, current_version=lambda: served_version(app.state))
 
 
-def start(app_state: Any, settings: Settings, adapter: EngineAdapter | None) -> Any:
+def start(app_state: Any, settings: Settings, adapter: EngineAdapter | None, front_end: FrontEnd | None = None) -> Any:
     """Follow ``settings.store`` with ``adapter`` (call on the server's event loop); returns the
-    subscriber, or None (and the routes answer 503) when no store or adapter is configured."""
+    subscriber, or None (and the routes answer 503) when no store is configured. ``front_end``
+    places this HTTP server among several of one deployment: the first follows the store (and
+    answers the others), the others need no adapter and return their :class:`.Follower`."""
     # Imported here: the subscriber's Prometheus metrics must register after the engine has set
     # up its metrics (SGLang's multiprocess mode), so that they appear on the engine's /metrics.
     from .subscriber import Subscriber
 
+    if settings.store and front_end is not None and not front_end.leads:
+        show_info_logs()
+        follower = Follower(settings, front_end)
+        set_subscriber(app_state, follower)
+        follower.start()
+        log.info("delta-swap: API server %d of %d follows API server 0", front_end.index, front_end.count)
+        return follower
     if not settings.store or adapter is None:
         set_subscriber(app_state, None)
         log.warning(
@@ -50,8 +62,13 @@ def start(app_state: Any, settings: Settings, adapter: EngineAdapter | None) -> 
         return None
     show_info_logs()
     subscriber = Subscriber(settings, adapter)
-    set_subscriber(app_state, subscriber)
-    subscriber.start()
+    if front_end is not None and front_end.count > 1:
+        leader = Leader(subscriber, front_end)
+        set_subscriber(app_state, leader)
+        leader.start()
+    else:
+        set_subscriber(app_state, subscriber)
+        subscriber.start()
     log.info(
         "delta-swap: %s follows %s (drain=%s, %d tensors served)",
         adapter.name,

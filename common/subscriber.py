@@ -111,6 +111,11 @@ class Subscriber:
         """The snapshot the engine is serving (None before the first sync)."""
         return self._current
 
+    @property
+    def served_snapshot_id(self) -> str | None:
+        """The id of :attr:`current` (None before the first sync)."""
+        return self._current.snapshot_id if self._current is not None else None
+
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:

@@ -6,6 +6,7 @@ logprobs are compared with a fresh server's on the same checkpoint, with the sam
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -80,28 +81,37 @@ class TestQwen3TiedReloadTP2(VllmExactness):
 
 
 class TestQwen3TiedReloadDP2(VllmExactness):
-    """Two data-parallel engines behind one API server (one core each): the one subscriber pauses,
-    updates and resumes both in the same swap. Every prompt is asked of each engine (vLLM's
-    ``X-data-parallel-rank`` header), here and on the fresh reference servers (same flags)."""
+    """``vllm serve --data-parallel-size 2`` as users type it: two engines (one core each) and two
+    API servers (vLLM's default, one per engine). API server 0's subscriber pauses, updates and
+    resumes both engines in the same swap; API server 1 follows it. Every prompt is asked of each
+    engine (vLLM's ``X-data-parallel-rank`` header), here and on the fresh reference servers."""
 
     family, swap_path = "qwen3", "reload"
-    extra = ("--data-parallel-size", "2", "--api-server-count", "1")
+    extra = ("--data-parallel-size", "2")
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
     def prompt_logprobs(self, url: str, prompt: list[int]) -> list[object]:
         return [completion_logprobs(url, prompt, {"X-data-parallel-rank": str(rank)}) for rank in (0, 1)]
 
-    def test_one_subscriber_swaps_both_engines_and_reports_one_version(self, chain: Chain) -> None:
-        """Both engines' workers read back the last swap, and both report its version."""
-        st = status(chain.server.url)
-        assert st["last_verification"]["workers"] == 2, st
-        assert st["current_step"] == len(chain.checkpoints) - 1, st
+    def test_one_subscriber_swaps_both_engines_and_every_api_server_reports_its_version(self, chain: Chain) -> None:
+        """Both engines' workers read back the last swap; both engines tag their tokens with its
+        version, and both API servers report it (each new connection goes to either)."""
+        seen: dict[int, dict] = {}
+        deadline = time.monotonic() + 120
+        while len(seen) < 2 and time.monotonic() < deadline:
+            st = status(chain.server.url)
+            seen[st["api_server"]] = st
+        assert sorted(seen) == [0, 1], f"only API server {sorted(seen)} answered in 2 minutes"
+        assert seen[0]["api_servers"] == 2 and seen[0]["last_verification"]["workers"] == 2, seen[0]
+        assert seen[0]["current_step"] == seen[1]["current_step"] == len(chain.checkpoints) - 1, seen
+        assert seen[0]["current_snapshot_id"] == seen[1]["current_snapshot_id"], seen
         headers = [{"X-data-parallel-rank": str(rank)} for rank in (0, 1)]
         body = {"model": "tiny", "prompt": [5, 17, 99], "max_tokens": 2, "temperature": 0.0}
         versions = {
             httpx.post(f"{chain.server.url}/v1/completions", json=body, headers=h, timeout=300).json()["choices"][0][
                 "weight_versions"
             ][-1]["version"]
-            for h in headers
+            for h in headers * 3
         }
-        assert versions == {st["current_snapshot_id"]}, (versions, st)
+        assert versions == {seen[0]["current_snapshot_id"]}, (versions, seen[0])
+

@@ -1,8 +1,10 @@
 """Parallel layouts the vLLM plugin cannot keep exact are refused when the server starts; the
-others (tensor parallel, data parallel behind one API server) are served: test_vllm_exactness."""
+others (tensor parallel, data parallel behind one or several API servers) are served:
+test_vllm_exactness."""
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -14,17 +16,27 @@ endpoint = pytest.importorskip("vllm_delta_plugin.endpoint", exc_type=ImportErro
 
 @pytest.mark.parametrize(
     ("dp", "api_servers", "pp", "refused"),
-    [(1, 1, 1, None), (2, 1, 1, None), (2, 2, 1, "--api-server-count 1"), (1, 1, 2, "pipeline")],
+    [(1, 1, 1, None), (2, 1, 1, None), (2, 2, 1, None), (1, 1, 2, "pipeline")],
 )
-def test_pipeline_parallel_and_several_api_servers_are_refused_at_start(dp, api_servers, pp, refused) -> None:
+def test_pipeline_parallel_is_refused_at_start(dp, api_servers, pp, refused) -> None:
     parallel = SimpleNamespace(
         data_parallel_size=dp, _api_process_count=api_servers, pipeline_parallel_size=pp, tensor_parallel_size=2
     )
     if refused is None:
-        endpoint.refuse_parallel_layouts(parallel)  # TP, and DP behind one API server, are served
+        endpoint.refuse_parallel_layouts(parallel)  # TP, and DP behind any number of API servers, are served
         return
     with pytest.raises(ConfigError, match=refused):
         endpoint.refuse_parallel_layouts(parallel)
+
+
+def test_api_servers_of_one_serve_command_share_one_leader() -> None:
+    """vLLM numbers its API servers (``_api_process_rank``); server 0 runs the subscriber, and all
+    of them find its socket from their common parent process."""
+    places = [endpoint.front_end_of(SimpleNamespace(_api_process_count=3, _api_process_rank=rank)) for rank in range(3)]
+    assert [p.leads for p in places] == [True, False, False]
+    assert len({p.address for p in places}) == 1 and str(os.getppid()) in str(places[0].address)
+    single = endpoint.front_end_of(SimpleNamespace())  # an older vLLM, or one API server
+    assert (single.index, single.count, single.leads) == (0, 1, True)
 
 
 def _config(quantization=None, lora=None, multimodal=False) -> SimpleNamespace:

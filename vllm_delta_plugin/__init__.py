@@ -4,7 +4,9 @@ snapshot of a store.
 * :mod:`.plugin` (``vllm.general_plugins``) registers the ``delta_swap`` weight-transfer backend
   in every vLLM process;
 * :mod:`.endpoint` (``vllm.endpoint_plugins``) mounts the admin routes and starts delta-swap's
-  subscriber in the API server (:mod:`delta_swap.service`);
+  subscriber in the API server (:mod:`delta_swap.service`); where ``vllm serve`` starts several
+  API servers (``--api-server-count``, by default one per data-parallel engine), API server 0
+  runs it and the others follow it (:mod:`delta_swap.front_ends`);
 * :mod:`.adapter` is the engine adapter: stage, drain, update, resume through vLLM's engine client;
 * :mod:`.transfer_engine` is the weight-transfer backend in each worker: it points parameters into
   weight arenas, or loads staged tensors through vLLM's layerwise reload;

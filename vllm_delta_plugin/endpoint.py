@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from argparse import Namespace
 from typing import Any
 
 from delta_swap import service
 from delta_swap.engine_adapter import refuse_unverified_weights
 from delta_swap.errors import ConfigError
+from delta_swap.front_ends import FrontEnd
 from delta_swap.settings import Settings
 
 from .plugin import BACKEND_NAME
@@ -29,6 +31,7 @@ class DeltaSwapEndpoint:
         instrument(engine_client, lambda: service.served_version(state))
         settings = Settings.load()
         adapter = None
+        front_end = front_end_of(engine_client.vllm_config.parallel_config)
         if settings.store:
             refuse_unsupported(engine_client.vllm_config)
             backend = getattr(engine_client.vllm_config.weight_transfer_config, "backend", None)
@@ -39,8 +42,17 @@ class DeltaSwapEndpoint:
                 )
             from .adapter import VllmAdapter
 
-            adapter = VllmAdapter.for_engine(engine_client, settings, args.model)
-        service.start(state, settings, adapter)
+            if front_end.leads:  # the other API servers follow this one's subscriber
+                adapter = VllmAdapter.for_engine(engine_client, settings, args.model)
+        service.start(state, settings, adapter, front_end)
+
+
+def front_end_of(parallel: Any) -> FrontEnd:
+    """This API server's place among those ``vllm serve`` started (``--api-server-count``, by
+    default one per data-parallel engine): siblings of one parent process, server 0 leads."""
+    count = max(1, int(getattr(parallel, "_api_process_count", 1)))
+    index = max(0, int(getattr(parallel, "_api_process_rank", 0)))
+    return FrontEnd.siblings_of(os.getppid(), index, count)
 
 
 def refuse_unsupported(vllm_config: Any) -> None:
@@ -58,14 +70,9 @@ def refuse_unsupported(vllm_config: Any) -> None:
 
 def refuse_parallel_layouts(parallel: Any) -> None:
     """Refuse the layouts delta-swap cannot keep exact yet. Tensor parallel is supported, and data
-    parallel behind one API server (``--api-server-count 1``): its subscriber pauses, updates and
-    resumes every engine in the same swap (vLLM's client sends each call to all of them). Several
-    API servers would each run a subscriber and swap the same engines on their own; pipeline
-    parallel is not tested."""
-    if getattr(parallel, "data_parallel_size", 1) > 1 and getattr(parallel, "_api_process_count", 1) > 1:
-        raise ConfigError(
-            "delta_swap needs one API server per deployment (one subscriber swaps every engine): add "
-            "--api-server-count 1 to --data-parallel-size"
-        )
+    parallel: one subscriber (in API server 0, whatever ``--api-server-count``) pauses, updates
+    and resumes every engine in the same swap (vLLM's client sends each call to all of them), and
+    the other API servers follow it (:mod:`delta_swap.front_ends`). Pipeline parallel is not
+    tested."""
     if getattr(parallel, "pipeline_parallel_size", 1) > 1:
         raise ConfigError("delta_swap does not support --pipeline-parallel-size > 1 yet")

@@ -26,11 +26,12 @@ def command(
     extra: Sequence[str] = (),
     bind: str = "127.0.0.1",
 ) -> list[str]:
-    """Arguments after ``python`` that start vLLM's OpenAI server on ``model``."""
+    """Arguments after ``python`` that start vLLM's OpenAI server on ``model``: ``vllm serve``, as
+    users type it (with ``--data-parallel-size`` > 1 it starts one API server per engine)."""
     argv = [
         "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
+        "examples.servers.vllm_cli",
+        "serve",
         str(model),
         "--host",
         bind,
