@@ -19,11 +19,16 @@ publishes the step, waits until the server reports it without error, and compare
 prompt logprobs with those of a fresh server started on the same checkpoint with the same
 settings: exactly, as the engines are deterministic for one request at a time. A path the
 engine cannot take is skipped with the engine's reason.
+
+With ``DELTA_SWAP_MATRIX_OUT`` naming a file, each swap (and each skip) is appended to it as a JSON
+line: engine, family, path, layout, exact or not, the swap's no-generation window and the test id;
+``python -m benchmarks.support_matrix FILE`` prints the README's support matrix from it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -57,6 +62,12 @@ PARTIAL_DELTAS: dict[str, list[tuple[str, str]]] = {
         )
     ],
 }
+
+#: The environment variable naming the JSON-lines file each swap's record is appended to.
+MATRIX_OUT_ENV = "DELTA_SWAP_MATRIX_OUT"
+
+#: The phases during which the engine generates nothing: a swap's window.
+WINDOW_PHASES = ("pause", "swap", "resume")
 
 #: Token-id prompts whose logprobs are compared (short, long, repeated tokens).
 PROMPTS: list[list[int]] = [
@@ -95,6 +106,10 @@ class EngineExactnessTests:
     swap_path: ClassVar[str] = "auto"
     #: Other ``Settings`` fields for the plugin server.
     settings: ClassVar[Mapping[str, object]] = {}
+    #: Extra engine arguments, the same for the plugin server and the references (the layout: TP, DP...).
+    extra: tuple[str, ...] = ()
+    #: The adapter's name as its status gives it, for a record made when the server did not start.
+    engine: ClassVar[str] = ""
 
     # ------------------------------------------------------------------ engine hooks
 
@@ -115,6 +130,11 @@ class EngineExactnessTests:
         """The engine's logprobs of every token of ``prompt`` (one request, nothing else running)."""
         raise NotImplementedError
 
+    def cannot_run(self, error: str) -> str | None:
+        """Why the engine cannot run this family on this machine, read from the ``error`` of a server
+        that did not start (with its log's tail); None (the default) when it is a failure."""
+        return None
+
     def publish(self, store: Path, step: int, checkpoint: Path) -> None:
         """Publish ``checkpoint`` as ``step`` (a base at step 0), as a trainer would."""
         from safetensors.torch import load_file  # numpy has no bfloat16
@@ -131,7 +151,7 @@ class EngineExactnessTests:
 
     @pytest.fixture(scope="class")
     @classmethod
-    def chain(cls, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Chain]:
+    def chain(cls, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Chain]:
         self = cls()
         workdir = tmp_path_factory.mktemp(f"{self.family}-{self.swap_path}")
         base = self.make_checkpoint(self.family, workdir / "step-0")
@@ -145,7 +165,14 @@ class EngineExactnessTests:
             "verify_swaps": "always",
             **self.settings,
         }
-        server = self.start_server(base, workdir, settings, "plugin.log")
+        try:
+            server = self.start_server(base, workdir, settings, "plugin.log")
+        except Exception as exc:  # a server that did not start: skip only what the engine cannot run
+            reason = self.cannot_run(str(exc))
+            if reason is None:
+                raise
+            self._record(request, {"engine": self.engine, "swap_path": None}, skipped=reason)
+            pytest.skip(reason)  # once for the class: pytest keeps a class fixture's outcome
         try:
             wait_for(server.url, lambda s: s["current_step"] == 0 and s.get("swap_path") is not None, 300)
             yield Chain(server, store, workdir, [base])
@@ -160,10 +187,14 @@ class EngineExactnessTests:
         elif self.swap_path == "arena" and st["swap_path"] != "arena":
             pytest.skip(f"{st['engine']} cannot swap {self.family} by reference here: {st['swap_path_reason']}")
 
-    def test_every_partial_delta_serves_what_a_fresh_server_serves(self, chain: Chain) -> None:
+    def test_every_partial_delta_serves_what_a_fresh_server_serves(
+        self, chain: Chain, request: pytest.FixtureRequest
+    ) -> None:
         st = status(chain.server.url)
         if self.swap_path == "arena" and st["swap_path"] != "arena":
-            pytest.skip(f"{st['engine']} cannot swap {self.family} by reference here: {st['swap_path_reason']}")
+            reason = f"{st['engine']} cannot swap {self.family} by reference here: {st['swap_path_reason']}"
+            self._record(request, st, skipped=reason)
+            pytest.skip(reason)
         for step, (what, only) in enumerate(PARTIAL_DELTAS[self.family], start=1):
             before = self._served(chain.server.url)
             checkpoint = self.perturb(chain.checkpoints[-1], chain.workdir / f"step-{step}", only, seed=step)
@@ -181,13 +212,36 @@ class EngineExactnessTests:
                 assert verification.get("skipped") or verification["checks"] > 0, st  # the read-back ran
             served = self._served(chain.server.url)
             reference = self._reference(checkpoint, chain.workdir, f"ref-{step}.log")
+            difference = _max_difference(served, reference)
+            self._record(request, st, step=step, what=what, exact=served == reference, max_difference=difference)
             assert reference != before, f"step {step} ({what}) changes no logprob: the check could not fail"
             assert served == reference, (
                 f"{self.family}, step {step} ({what}), {st['swap_path']} path: served logprobs differ from a fresh "
-                f"server's on the same checkpoint, max |difference| {_max_difference(served, reference):.3g}"
+                f"server's on the same checkpoint, max |difference| {difference:.3g}"
             )
 
     # ------------------------------------------------------------------ helpers
+
+    def _record(self, request: pytest.FixtureRequest, st: Mapping[str, Any], **fields: object) -> None:
+        """Append one swap's (or a skip's) matrix record to ``$DELTA_SWAP_MATRIX_OUT``, if set."""
+        out = os.environ.get(MATRIX_OUT_ENV)
+        if not out:
+            return
+        timings = st.get("last_update_timings_s") or {}
+        record = {
+            "engine": st["engine"],
+            "family": self.family,
+            "path": self.swap_path,
+            "taken": st["swap_path"],
+            "layout": " ".join(self.extra),
+            **fields,
+            "window_s": None if "skipped" in fields else round(sum(timings.get(p, 0.0) for p in WINDOW_PHASES), 6),
+            "timings_s": None if "skipped" in fields else timings,
+            "test": request.node.nodeid,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        with open(out, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
 
     def _served(self, url: str) -> list[list[Any]]:
         return [self.prompt_logprobs(url, prompt) for prompt in PROMPTS]
