@@ -15,11 +15,18 @@ through the engine's own layout, at a bounded cost per module:
   by the experts kernel's own post-load processing (e.g. the CPU prepack).
 
 A mismatch raises :class:`~delta_swap.errors.ChecksumMismatchError` naming the tensor.
+
+At tensor parallel > 1 every rank holds its own shard. The engine then passes a :data:`Shard`: it
+loads the published tensors of a module through the module's own loader into a scratch copy of the
+rank's parameter (local shape, same parameter class), and that local shard is what the rank must
+compute with: plain parameters are compared with it, linear layers are probed with one-hot rows of
+its (local) input width, and one expert is processed from the rank's shard of it. This module knows
+no engine: how a tensor is sharded is the engine package's business.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,12 +39,23 @@ from .module_groups import module_of
 SAMPLES = 4096
 PROBES = 4
 
+#: ``shard(module_path, module, parameter, parts)``: what this rank's ``parameter`` of ``module``
+#: must hold once ``parts`` (checkpoint name -> published tensor, in the engine's fused order) are
+#: loaded through the module's own loader: the rank's local shard, in the layout before any post-load
+#: repacking, with NaN where the loader writes nothing (padding). For experts, ``parameter`` is
+#: ``w13_weight`` or ``w2_weight`` and the answer is one expert's shard. None: unknown here.
+Shard = Callable[[str, torch.nn.Module, str, Sequence[tuple[str, torch.Tensor]]], torch.Tensor | None]
+
 
 def verify_modules(
-    model: torch.nn.Module, published: Mapping[str, torch.Tensor], packed: Mapping[str, Sequence[str]]
+    model: torch.nn.Module,
+    published: Mapping[str, torch.Tensor],
+    packed: Mapping[str, Sequence[str]],
+    shard: Shard | None = None,
 ) -> int:
     """Check every module that ``published`` (checkpoint name -> tensor) loads into, and every
-    module sharing a parameter with one of them (a tied ``lm_head``), against those tensors.
+    module sharing a parameter with one of them (a tied ``lm_head``), against those tensors (each
+    rank's shard of them, through ``shard``, at tensor parallel > 1; whole tensors without it).
     Returns how many checks ran; raises ChecksumMismatchError at the first difference."""
     by_module: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in published.items():
@@ -49,17 +67,42 @@ def verify_modules(
         module = modules.get(path)
         if module is None:
             continue  # a name vLLM maps elsewhere (hf_to_vllm_mapper): not checked here
-        checks += _verify_module(path, module, tensors, packed)
+        checks += _verify_module(path, module, tensors, packed, shard)
     for path in extra:  # e.g. a tied lm_head: it must compute with the embedding just loaded
         module = modules.get(path)
         source = _shared_source(module, modules, by_module) if module is not None else None
         if module is not None and source is not None:
-            checks += _probe_linear(path, module, [_weight_of(source[1])], f"{path}.weight (tied to {source[0]})")
+            name = f"{path}.weight (tied to {source[0]})"
+            weight = _weight_of(source[1])
+            parts = _expected(name, source[2], modules[source[2]], "weight", [weight], shard)
+            checks += _probe_linear(path, module, parts, name, loose=shard is not None)
     return checks
 
 
+def _expected(
+    name: str,
+    path: str,
+    module: torch.nn.Module,
+    kind: str,
+    parts: Sequence[tuple[str, torch.Tensor]],
+    shard: Shard | None,
+) -> list[torch.Tensor]:
+    """What ``module.<kind>`` must hold: the published parts back to back (one rank), or this
+    rank's shard of them (``shard``)."""
+    if shard is None:
+        return [t for _, t in parts]
+    local = shard(path, module, kind, parts)
+    if local is None or (local.is_floating_point() and bool(torch.isnan(local).all())):  # nothing loaded
+        raise ChecksumMismatchError(f"{name}: cannot work out this rank's shard of it ({type(module).__name__})")
+    return [local]
+
+
 def _verify_module(
-    path: str, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor], packed: Mapping[str, Sequence[str]]
+    path: str,
+    module: torch.nn.Module,
+    tensors: Mapping[str, torch.Tensor],
+    packed: Mapping[str, Sequence[str]],
+    shard: Shard | None,
 ) -> int:
     method = getattr(module, "quant_method", None)
     if method is not None and not type(method).__name__.startswith("Unquantized"):
@@ -67,7 +110,7 @@ def _verify_module(
     if any(".experts." in name for name in tensors):  # vLLM keeps them in a submodule (routed_experts)
         for sub_path, sub in module.named_modules():
             if hasattr(sub, "w13_weight") and hasattr(sub, "w2_weight"):
-                return _verify_experts(f"{path}.{sub_path}".rstrip("."), sub, tensors)
+                return _verify_experts(f"{path}.{sub_path}".rstrip("."), sub, tensors, shard)
         return 0
     checks = 0
     for kind in ("weight", "bias"):
@@ -75,16 +118,17 @@ def _verify_module(
         if not parts:
             continue
         name = f"{path}.{kind} ({len(parts)} checkpoint tensors)" if len(parts) > 1 else parts[0][0]
-        total = sum(t.numel() for _, t in parts)
+        expected = _expected(name, path, module, kind, parts, shard)
+        total = sum(t.numel() for t in expected)
         param = getattr(module, kind, None)
         if param is not None and param.numel() >= total:  # a plain parameter: the parts back to back
             flat, offset = param.detach().reshape(-1), 0
-            for _, t in parts:
-                _compare(name, flat[offset : offset + t.numel()], t.reshape(-1))
+            for t in expected:
+                _compare(name, flat[offset : offset + t.numel()], t.reshape(-1), loose=shard is not None)
                 offset += t.numel()
             checks += 1
-        if kind == "weight" and all(t.ndim == 2 for _, t in parts) and _is_linear(module):
-            checks += _probe_linear(path, module, [t for _, t in parts], name)
+        if kind == "weight" and all(t.ndim == 2 for t in expected) and _is_linear(module):
+            checks += _probe_linear(path, module, expected, name, loose=shard is not None)
     return checks
 
 
@@ -104,9 +148,13 @@ def _is_linear(module: torch.nn.Module) -> bool:
     return method is not None and hasattr(method, "apply") and hasattr(module, "weight")
 
 
-def _probe_linear(path: str, module: torch.nn.Module, parts: Sequence[torch.Tensor], name: str) -> int:
-    """Push one-hot rows through the layer's own kernel: each output is a column of its weight
-    (the parts' columns stacked, as vLLM fuses them). Only the probed columns are read."""
+def _probe_linear(
+    path: str, module: torch.nn.Module, parts: Sequence[torch.Tensor], name: str, loose: bool = False
+) -> int:
+    """Push one-hot rows through the layer's own kernel (``quant_method.apply``, never the layer's
+    forward, so no all-reduce of a tensor-parallel layer runs): each output is a column of its
+    weight (the parts' columns stacked, as vLLM fuses them; a rank's shard: its local input width
+    and outputs). Only the probed columns are read."""
     rows, cols = sum(t.shape[0] for t in parts), parts[0].shape[1]
     picks = sorted({int(i) for i in torch.linspace(0, cols - 1, min(PROBES, cols)).round()})
     probe = torch.zeros(len(picks), cols, dtype=parts[0].dtype, device=_device(module))
@@ -118,42 +166,45 @@ def _probe_linear(path: str, module: torch.nn.Module, parts: Sequence[torch.Tens
     if out.shape[-1] < rows:
         raise ChecksumMismatchError(f"{name}: {path} computes {out.shape[-1]} outputs, the checkpoint has {rows}")
     expected = torch.cat([t[:, picks] for t in parts]).t()
-    _compare(name, out[:, :rows].to(parts[0].dtype).cpu(), expected)
+    _compare(name, out[:, :rows].to(parts[0].dtype).cpu(), expected, loose=loose)
     return 1
 
 
-def _verify_experts(path: str, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> int:
-    """One sampled expert, processed by the experts kernel's own post-load step, against the
-    engine's copy of that expert."""
-    experts: dict[int, dict[str, torch.Tensor]] = {}
+def _verify_experts(
+    path: str, module: torch.nn.Module, tensors: Mapping[str, torch.Tensor], shard: Shard | None = None
+) -> int:
+    """One sampled expert (this rank's shard of it, through ``shard``), processed by the experts
+    kernel's own post-load step, against the engine's copy of that expert."""
+    experts: dict[int, dict[str, tuple[str, torch.Tensor]]] = {}
     for name, tensor in tensors.items():
         number, proj = name.split(".experts.", 1)[1].split(".")[:2]
-        experts.setdefault(int(number), {})[proj] = tensor
+        experts.setdefault(int(number), {})[proj] = (name, tensor)
     index = sorted(experts)[len(experts) // 2]
     parts = experts[index]
     if not {"gate_proj", "up_proj", "down_proj"} <= parts.keys():
         return 0  # another experts naming (w1/w2/w3): not checked here
+    name = f"{path}.{index} (gate/up/down)"
+    w13 = torch.cat([parts["gate_proj"][1], parts["up_proj"][1]])
+    w2 = parts["down_proj"][1]
+    if shard is not None:  # this rank's shard of the expert, as the experts' loader places it
+        w13 = _expected(name, path, module, "w13_weight", [parts["gate_proj"], parts["up_proj"]], shard)[0]
+        w2 = _expected(name, path, module, "w2_weight", [parts["down_proj"]], shard)[0]
     kernel = getattr(getattr(getattr(module, "quant_method", None), "moe_kernel", None), "fused_experts", None)
     stub = torch.nn.Module()
     device = _device(module)
     stub.register_parameter(
         "w13_weight",
-        torch.nn.Parameter(
-            torch.cat([parts["gate_proj"], parts["up_proj"]]).unsqueeze(0).to(device), requires_grad=False
-        ),
+        torch.nn.Parameter(w13.unsqueeze(0).to(device), requires_grad=False),
     )
-    stub.register_parameter(
-        "w2_weight", torch.nn.Parameter(parts["down_proj"].unsqueeze(0).to(device), requires_grad=False)
-    )
+    stub.register_parameter("w2_weight", torch.nn.Parameter(w2.unsqueeze(0).to(device), requires_grad=False))
     if kernel is not None and hasattr(kernel, "process_weights_after_loading"):
         kernel.process_weights_after_loading(stub)
-    name = f"{path}.{index} (gate/up/down)"
     for param in ("w13_weight", "w2_weight"):
         live = getattr(module, param).detach()[index]
         want = getattr(stub, param).detach()[0]
         if live.shape != want.shape:
             raise ChecksumMismatchError(f"{name}: {param} has shape {tuple(live.shape)}, expected {tuple(want.shape)}")
-        _compare(name, live.reshape(-1), want.reshape(-1))
+        _compare(name, live.reshape(-1), want.reshape(-1), loose=shard is not None)
     return 1
 
 
@@ -173,18 +224,19 @@ def modules_sharing_parameters_with(model: torch.nn.Module, touched: set[str]) -
 
 def _shared_source(
     module: torch.nn.Module, modules: Mapping[str, torch.nn.Module], by_module: Mapping[str, Mapping[str, torch.Tensor]]
-) -> tuple[str, dict[str, torch.Tensor]] | None:
-    """The published tensors of a module that holds the same parameter object as ``module``."""
+) -> tuple[str, dict[str, torch.Tensor], str] | None:
+    """The published tensors of a module that holds the same parameter object as ``module``
+    (their names, the tensors, that module's path)."""
     own = {id(p) for p in module.parameters(recurse=False)}
     for path, tensors in by_module.items():
         other = modules.get(path)
         if other is not None and other is not module and own & {id(p) for p in other.parameters(recurse=False)}:
-            return ", ".join(tensors), dict(tensors)
+            return ", ".join(tensors), dict(tensors), path
     return None
 
 
-def _weight_of(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    return next(t for n, t in sorted(tensors.items()) if n.endswith(".weight"))
+def _weight_of(tensors: Mapping[str, torch.Tensor]) -> tuple[str, torch.Tensor]:
+    return next((n, t) for n, t in sorted(tensors.items()) if n.endswith(".weight"))
 
 
 def _device(module: torch.nn.Module) -> torch.device:
@@ -193,8 +245,9 @@ def _device(module: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _compare(name: str, live: torch.Tensor, expected: torch.Tensor) -> None:
-    """Compare at up to SAMPLES evenly spread positions (values cast to the live dtype)."""
+def _compare(name: str, live: torch.Tensor, expected: torch.Tensor, loose: bool = False) -> None:
+    """Compare at up to SAMPLES evenly spread positions (values cast to the live dtype); with
+    ``loose``, a NaN expected value means "the loader writes nothing here" (a shard's padding)."""
     live, expected = live.reshape(-1), expected.reshape(-1).to(device=live.device)
     if live.numel() != expected.numel():
         raise ChecksumMismatchError(
@@ -202,7 +255,7 @@ def _compare(name: str, live: torch.Tensor, expected: torch.Tensor) -> None:
         )
     step = max(1, live.numel() // SAMPLES)
     a, b = live[::step], expected[::step].to(live.dtype)
-    same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+    same = (a == b) | (torch.isnan(b) if loose else torch.isnan(a) & torch.isnan(b))
     if not bool(same.all()):
         where = int((~same).nonzero()[0]) * step
         raise ChecksumMismatchError(

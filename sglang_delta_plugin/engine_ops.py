@@ -7,7 +7,12 @@
   ``update_weights_from_tensor(load_format=...)`` with one operation encoded in the tensor's name:
   ``{"op": "commit", "path": ARENA, "result": FILE}`` points every parameter at that arena;
   ``{"op": "verify", "path": SAFETENSORS, "result": FILE}`` reads back, after a load, what the
-  modules those tensors load into now compute with (:mod:`delta_swap.readback`).
+  modules those tensors load into now compute with (:mod:`delta_swap.readback`); at tensor
+  parallel > 1 every rank checks its own shard, which :func:`local_shard` loads through the
+  module's own weight loader into a scratch copy of the rank's parameter.
+
+Every tensor-parallel rank runs the operation; rank 0 writes ``FILE``, rank ``k`` ``FILE.k``
+(SGLang answers the HTTP server only after all ranks have returned).
 
 An exception escaping a custom loader ends SGLang's whole server, so :func:`run` never raises: it
 validates everything before the first parameter moves and reports the outcome in the result file.
@@ -103,7 +108,8 @@ def run(model: Any, named_tensors: list[tuple[str, Any]]) -> None:
         outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     if result:
         try:
-            Path(result).write_text(json.dumps(outcome))
+            rank = _tp_rank()
+            Path(result if rank == 0 else f"{result}.{rank}").write_text(json.dumps(outcome))
         except OSError:
             log.exception("delta_swap: cannot write the result file")
 
@@ -121,14 +127,82 @@ def _commit(model: Any, path: str) -> None:
     point_parameters(dict(model.named_parameters()), arenas[path])
 
 
+def _tp_rank() -> int:
+    """This scheduler's tensor-parallel rank (0 where SGLang's parallel state is not set up)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        return int(get_parallel().tp_rank)
+    except Exception:  # a scripted engine without SGLang's parallel context
+        return 0
+
+
 def _verify(model: Any, path: str) -> int:
     """Read back the modules the tensors of the safetensors file ``path`` load into (and those
-    sharing a parameter with them) against those tensors; raises on the first difference."""
+    sharing a parameter with them) against those tensors, or this rank's shard of them at tensor
+    parallel > 1; raises on the first difference."""
     import torch
     from safetensors.torch import load_file
 
     from delta_swap.readback import verify_modules
 
     published = load_file(path)
+    packed = packed_modules(model)
+    shard = local_shards(packed) if _tp_size() > 1 else None
     with torch.inference_mode():
-        return verify_modules(model, published, packed_modules(model))
+        return verify_modules(model, published, packed, shard)
+
+
+def _tp_size() -> int:
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        return int(get_parallel().tp_size)
+    except Exception:
+        return 1
+
+
+#: The shard id SGLang's models load each experts projection with.
+_EXPERT_SHARD = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def local_shards(packed: dict[str, list[str]]) -> Any:
+    """A :data:`delta_swap.readback.Shard`: what this rank's parameter must hold once the published
+    tensors go through the module's own weight loader (with the shard ids SGLang's models give
+    fused constituents: "q"/"k"/"v", 0/1), loaded into a NaN-filled scratch copy of the live
+    parameter (same local shape, class and attributes). The live model is not touched."""
+    import torch
+
+    def shard(path: str, module: Any, kind: str, parts: list[tuple[str, Any]]) -> Any:
+        from sglang.srt.layers.linear import QKVParallelLinear
+        from sglang.srt.model_loader.weight_utils import default_weight_loader
+
+        live = getattr(module, kind, None)
+        if live is None:
+            return None
+        experts = kind in ("w13_weight", "w2_weight")
+        if experts:  # every expert shares one row of storage: the scratch costs one expert
+            data = torch.full((1, *live.shape[1:]), float("nan"), dtype=live.dtype, device=live.device)
+            data = data.expand(live.shape)
+        else:
+            data = torch.full(live.shape, float("nan"), dtype=live.dtype, device=live.device)
+        data.__class__ = live.__class__
+        data.__dict__ = live.__dict__.copy()
+        loader = getattr(data, "weight_loader", default_weight_loader)
+        if experts:
+            index = int(parts[0][0].split(".experts.", 1)[1].split(".")[0])
+            for name, tensor in parts:
+                loader(data, tensor, name, _EXPERT_SHARD[name.rsplit(".", 2)[-2]], index)
+            local = module._map_global_expert_id_to_local_expert_id(index)
+            return None if local < 0 else data.data[local].clone()
+        constituents = packed.get(path.rsplit(".", 1)[-1], [])
+        for name, tensor in parts:
+            part = name.rsplit(".", 2)[-2]
+            if part in constituents:
+                index = constituents.index(part)
+                loader(data, tensor, ("q", "k", "v")[index] if isinstance(module, QKVParallelLinear) else index)
+            else:
+                loader(data, tensor)
+        return data.data
+
+    return shard

@@ -7,7 +7,8 @@
 * ``commit``: point every parameter at the arena file ``path`` (a reference swap, O(#parameters)):
   the arena path, used where parameters are plain host tensors (vLLM's CPU fallback for bf16);
 * ``load`` with ``verify_path``: also finish the reload and read back, in the same call, what the
-  reloaded modules now compute with against that file's tensors (:mod:`.verify`);
+  reloaded modules now compute with against that file's tensors (:mod:`delta_swap.readback`; each
+  tensor-parallel rank against its own shard of them, :mod:`.readback_shards`);
 * ``load`` (default): load the tensors of a staged safetensors file or checkpoint folder through
   vLLM's layerwise reload, which works after CPU (oneDNN, AMX) or GPU post-load processing has
   repacked the weights: the reload path, used everywhere else. Modules that share a parameter
@@ -49,6 +50,7 @@ from delta_swap.served_model import ServedModel
 from delta_swap.settings import Settings, SwapPath
 from delta_swap.torch_params import check_matches, plan_layout, point_parameters
 
+from .readback_shards import local_shards
 from .worker_results import write_worker_result
 
 log = logging.getLogger("vllm_delta_plugin")
@@ -182,23 +184,30 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         raise if any computes with other values; write what was checked to ``output``."""
         started = time.perf_counter()
         parallel = self.vllm_config.parallel_config
-        if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
-            # each rank holds a shard: the read-back does not map shards yet, so it says so
+        if parallel.pipeline_parallel_size > 1:
+            # each stage holds some layers: the read-back does not map stages yet, so it says so
             if output:
                 write_worker_result(
-                    output, {"checks": 0, "seconds": 0.0, "skipped": "tensor or pipeline parallel ranks hold shards"}
+                    output, {"checks": 0, "seconds": 0.0, "skipped": "pipeline parallel stages hold some layers"}
                 )
             return
+        # each tensor-parallel rank checks its own shard, loaded through the modules' own loaders
+        shard = local_shards(self._packed) if parallel.tensor_parallel_size > 1 else None
         published = dict(_read_tensors(path, set(names)))
-        with set_current_vllm_config(self.vllm_config), torch.inference_mode():
-            try:
-                checks = verify_modules(self.model, published, self._packed)
-            except ChecksumMismatchError:
-                raise
-            except Exception as exc:  # a layout the check does not know: say so, never pass silently
-                raise ChecksumMismatchError(
-                    f"delta_swap: cannot read back the swapped modules: {type(exc).__name__}: {exc}"
-                ) from exc
+        try:
+            with set_current_vllm_config(self.vllm_config), torch.inference_mode():
+                checks = verify_modules(self.model, published, self._packed, shard)
+        except Exception as exc:  # a layout the check does not know: say so, never pass silently
+            error = exc if isinstance(exc, ChecksumMismatchError) else None
+            message = str(error or f"delta_swap: cannot read back the swapped modules: {type(exc).__name__}: {exc}")
+            if not output:
+                raise ChecksumMismatchError(message) from exc
+            # Answered, not raised: vLLM's multiprocess executor stops reading the workers' answers
+            # at the first failed one, so with several workers every later call would read the
+            # answer left over from this one. The API server raises on any worker's error.
+            log.error("delta_swap: the read-back failed: %s", message)
+            write_worker_result(output, {"checks": 0, "seconds": time.perf_counter() - started, "error": message})
+            return
         seconds = time.perf_counter() - started
         log.info("delta_swap: verified %d modules against the snapshot in %.1f ms", checks, 1000 * seconds)
         if output:

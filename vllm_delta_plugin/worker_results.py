@@ -1,5 +1,8 @@
 """Answers from vLLM's workers to the API server, through files: every worker of every engine
-(tensor- and data-parallel ranks) writes its own, and the API server reads them all."""
+(tensor- and data-parallel ranks) writes its own, and the API server reads them all. A worker
+reports a failed read-back here (``"error"``) rather than raising it: vLLM's multiprocess executor
+stops reading answers at the first failed worker, and the others' answers would then be taken for
+the next call's. :func:`read_worker_results` raises it in the API server instead."""
 
 from __future__ import annotations
 
@@ -7,6 +10,8 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+
+from delta_swap.errors import EngineError
 
 
 def write_worker_result(output: str, doc: dict[str, Any]) -> None:
@@ -19,11 +24,15 @@ def write_worker_result(output: str, doc: dict[str, Any]) -> None:
 
 
 def read_worker_results(output: str) -> list[dict[str, Any]]:
-    """The answers that :func:`write_worker_result` left for ``output`` (removed once read)."""
+    """The answers that :func:`write_worker_result` left for ``output`` (removed once read); raises
+    EngineError with the first worker's ``"error"`` if any worker reported one."""
     out = []
     for file in sorted(Path(output).parent.glob(Path(output).name + ".*")):
         if file.suffix == ".tmp":
             continue
         out.append(json.loads(file.read_text()))
         file.unlink()
+    errors = [answer["error"] for answer in out if answer.get("error")]
+    if errors:
+        raise EngineError(f"vllm: {errors[0]}")
     return out
