@@ -1,7 +1,7 @@
 """The post-swap verification on vLLM's reload path catches each engine bug that delta-swap works
 around, when that workaround is taken out (tests/support/revert_fixes puts the bug back inside the
 server's processes): the swap is refused before the engine generates on it, and the status names
-the tensor."""
+the tensor. Each tensor-parallel rank reads back its own shard (the tied case at TP 2)."""
 
 from __future__ import annotations
 
@@ -20,17 +20,24 @@ pytestmark = pytest.mark.engine
 REVERT_FIXES = Path(__file__).parent / "support" / "revert_fixes"
 
 
+TP2 = 2
+
+
 @pytest.mark.parametrize(
-    ("family", "fix", "named", "verify"),
+    ("family", "fix", "named", "verify", "tp"),
     [
-        ("qwen3", "tied", "lm_head", "always"),
-        ("qwen3_moe", "experts", "mlp.experts", "always"),
-        ("qwen2", "modules", "qkv_proj", "always"),
+        ("qwen3", "tied", "lm_head", "always", 1),
+        ("qwen3_moe", "experts", "mlp.experts", "always", 1),
+        ("qwen2", "modules", "qkv_proj", "always", 1),
         # The default (auto) reads back at least the first sync, where the experts bug shows.
-        ("qwen3_moe", "experts", "mlp.experts", None),
+        ("qwen3_moe", "experts", "mlp.experts", None, 1),
+        # Two tensor-parallel ranks (one core each): each reads back its shard of the vocabulary,
+        # and its shard of one expert.
+        ("qwen3", "tied", "lm_head", "always", TP2),
+        ("qwen3_moe", "experts", "mlp.experts", "always", TP2),
     ],
 )
-def test_verification_catches_the_bug_a_reverted_fix_lets_through(family, fix, named, verify, tmp_path) -> None:
+def test_verification_catches_the_bug_a_reverted_fix_lets_through(family, fix, named, verify, tp, tmp_path) -> None:
     base = make_tiny_model(tmp_path / "A", family=family)
     what, only = PARTIAL_DELTAS[family][0]
     step1 = perturb_weights(base, tmp_path / "B", only=only, seed=1)
@@ -39,7 +46,9 @@ def test_verification_catches_the_bug_a_reverted_fix_lets_through(family, fix, n
     env = {
         "DELTA_SWAP_REVERT_FIXES": fix,
         "PYTHONPATH": os.pathsep.join([str(REVERT_FIXES), os.environ.get("PYTHONPATH", "")]),
+        **({"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if tp > 1 else {}),
     }
+    extra = ("--tensor-parallel-size", str(tp)) if tp > 1 else ()
     settings = {
         "store": store.as_uri(),
         "poll_interval": 0.2,
@@ -47,7 +56,7 @@ def test_verification_catches_the_bug_a_reverted_fix_lets_through(family, fix, n
         "swap_path": "reload",
         **({"verify_swaps": verify} if verify else {}),
     }
-    server = vllm_server.start(base, tmp_path, settings=settings, served_name="tiny", env=env)
+    server = vllm_server.start(base, tmp_path, settings=settings, served_name="tiny", env=env, extra=extra)
     try:
         # The first sync reloads every tensor: the experts bug already shows there.
         st = wait_for(server.url, lambda s: s["current_step"] == 0 or s["failures"] > 0, timeout=300)
@@ -58,5 +67,7 @@ def test_verification_catches_the_bug_a_reverted_fix_lets_through(family, fix, n
         assert "other values than the snapshot" in st["last_error"] and named in st["last_error"], st["last_error"]
         if st["current_step"] == 0:  # rolled back (else the engine's state is reported unknown)
             assert status(server.url)["weight_version"] == "step-0000000000"
+        if tp > 1 and st["current_step"] == 0:  # every rank read back its shard at the sync before
+            assert st["last_verification"]["workers"] == tp and not st["last_verification"].get("skipped"), st
     finally:
         server.stop()
