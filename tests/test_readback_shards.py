@@ -28,14 +28,16 @@ def vllm_config() -> Iterator[object]:
     """A one-process world (gloo) so vLLM's layers can be built; ranks are patched per layer."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
 
     config = VllmConfig()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with set_current_vllm_config(config):
-        init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, backend="gloo")
-        initialize_model_parallel(1)
+        if not model_parallel_is_initialized():  # once per process
+            init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, backend="gloo")
+            initialize_model_parallel(1)
         yield config
 
 
