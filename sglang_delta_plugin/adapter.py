@@ -59,6 +59,19 @@ log = logging.getLogger("sglang_delta_plugin")
 ABORT_GRACE_S = 10.0
 
 
+def merge_rank_outcomes(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
+    """One answer from every tensor-parallel rank's: the first failure, or checks summed over the
+    ranks and the slowest rank's seconds."""
+    failed = next((o for o in outcomes if not o.get("ok")), None)
+    if failed is not None or len(outcomes) == 1:
+        return dict(failed or outcomes[0])
+    merged: dict[str, Any] = {"ok": True, "ranks": len(outcomes)}
+    merged["seconds"] = max(float(o.get("seconds", 0.0)) for o in outcomes)
+    if all("checks" in o for o in outcomes):
+        merged["checks"] = sum(int(o["checks"]) for o in outcomes)
+    return merged
+
+
 class SglangAdapter(EngineAdapter):
     """Drives SGLang's RL weight-update API in the HTTP server process."""
 
@@ -82,9 +95,7 @@ class SglangAdapter(EngineAdapter):
         self.path_reason: str | None = None
         #: Which loads are read back (verify_swaps), how many were, and what the last one checked.
         self.verify_budget = VerifyBudget(self.settings.verify_swaps)
-        self.last_verification: dict[str, Any] | None = (
-            {"checks": 0, "seconds": 0.0, "skipped": "tensor parallel ranks hold shards"} if tp_size > 1 else None
-        )
+        self.last_verification: dict[str, Any] | None = None
         self._packed: dict[str, list[str]] | None = None
 
     async def weight_version(self) -> str | None:
@@ -132,7 +143,7 @@ class SglangAdapter(EngineAdapter):
         if not update.names:  # same bytes as now (e.g. a step that reverts): only the version moves
             return None
         bucket = await asyncio.to_thread(pack, update.state, sorted(update.names), update.checksums, self.tp_size)
-        if self.tp_size == 1 and self.verify_budget.due():  # ranks of a larger TP hold shards: not read back
+        if self.verify_budget.due():  # every tensor-parallel rank reads back its shard of these
             bucket.check_path = await asyncio.to_thread(self._write_check_file, update)
         return bucket
 
@@ -269,7 +280,11 @@ class SglangAdapter(EngineAdapter):
         outcome = await self._run_op({"op": "verify", "path": check_path}, version)
         if not outcome.get("ok"):
             raise EngineError(f"sglang: {outcome.get('error')}")
-        self.last_verification = {"checks": outcome["checks"], "seconds": outcome["seconds"], "workers": 1}
+        self.last_verification = {
+            "checks": outcome["checks"],
+            "seconds": outcome["seconds"],
+            "workers": outcome.get("ranks", 1),
+        }
         return float(outcome["seconds"])
 
     async def _commit(self, arena: Arena, version: str) -> None:
@@ -281,20 +296,24 @@ class SglangAdapter(EngineAdapter):
         self.arenas.live = arena
 
     async def _run_op(self, op: dict[str, Any], version: str) -> dict[str, Any]:
-        """One operation of delta-swap's custom loader in the scheduler (:mod:`.engine_ops`), and
-        the outcome it wrote."""
+        """One operation of delta-swap's custom loader in every tensor-parallel rank's scheduler
+        (:mod:`.engine_ops`), and the outcomes they wrote, merged."""
         import torch
         from sglang.srt.utils import MultiprocessingSerializer
 
         result = Path(self.settings.staging_dir) / f"delta-swap-result-{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
         name = json.dumps({**op, "result": str(result)})
+        files = [result] + [Path(f"{result}.{rank}") for rank in range(1, self.tp_size)]
         try:
-            await self._update([MultiprocessingSerializer.serialize([(name, torch.zeros(1))])], LOADER, version)
-            return dict(json.loads(result.read_text()))
+            # one payload per rank, serialized apart: each shares its tensor once (like pack's)
+            payloads = [MultiprocessingSerializer.serialize([(name, torch.zeros(1))]) for _ in range(self.tp_size)]
+            await self._update(payloads, LOADER, version)
+            return merge_rank_outcomes([json.loads(file.read_text()) for file in files])
         except (OSError, ValueError) as exc:
             raise EngineError(f"sglang: the weight loader reported nothing ({exc})") from None
         finally:
-            result.unlink(missing_ok=True)
+            for file in files:
+                file.unlink(missing_ok=True)
 
     async def _update(self, payloads: list[bytes], load_format: str, version: str) -> None:
         from sglang.srt.managers.io_struct import (

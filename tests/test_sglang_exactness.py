@@ -17,7 +17,7 @@ from examples.servers import sglang as sglang_server
 from examples.servers.process import Server
 from examples.tiny_model import make_tiny_model, perturb_weights
 from tests.support.exactness import TinyModelExactness
-from tests.support.rollout_scenarios import publish_dirs, status, wait_for
+from tests.support.rollout_scenarios import publish_dirs, wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -118,10 +118,12 @@ class TestQwen3TiedTensorTP2(SglangExactness):
 REVERT_FIXES = Path(__file__).parent / "support" / "revert_fixes"
 
 
-def test_the_read_back_catches_an_engine_whose_load_leaves_the_embedding_stale(tmp_path) -> None:
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_read_back_catches_an_engine_whose_load_leaves_the_embedding_stale(tp, tmp_path) -> None:
     """The scheduler reads back what it computes with after each tensor load: an engine bug that
     keeps the old embedding (put in by tests/support/revert_fixes) is refused before it serves,
-    the status names the tensor, and the server stays on the last good step."""
+    the status names the tensor, and the server stays on the last good step. At TP 2 each rank
+    reads back its own shard of the vocabulary."""
     base = make_tiny_model(tmp_path / "A", family="qwen3")
     what, only = PARTIAL_DELTAS["qwen3"][0]  # the embedding alone of a tied model
     step1 = perturb_weights(base, tmp_path / "B", only=only, seed=1)
@@ -130,15 +132,21 @@ def test_the_read_back_catches_an_engine_whose_load_leaves_the_embedding_stale(t
     env = {
         "DELTA_SWAP_REVERT_FIXES": "stale_embedding",
         "PYTHONPATH": os.pathsep.join([str(REVERT_FIXES), os.environ.get("PYTHONPATH", "")]),
+        **({"SGLANG_CPU_OMP_THREADS_BIND": "0|1"} if tp > 1 else {}),
     }
     settings = {"store": store.as_uri(), "poll_interval": 0.2, "swap_path": "reload", "verify_swaps": "always"}
-    server = sglang_server.start(base, tmp_path, settings=settings, served_name="tiny", env=env)
+    extra = ("--tp-size", str(tp)) if tp > 1 else ()
+    server = sglang_server.start(base, tmp_path, settings=settings, served_name="tiny", env=env, extra=extra)
     try:
-        wait_for(server.url, lambda s: s["current_step"] == 0, timeout=300)
+        first = wait_for(server.url, lambda s: s["current_step"] == 0, timeout=300)
+        if tp > 1:  # every rank read back its shard of the first sync
+            assert first["last_verification"]["workers"] == tp and first["last_verification"]["checks"] > 0, first
         publish_dirs(store, [(1, step1)], None)
         st = wait_for(server.url, lambda s: s["failures"] > 0 or s["current_step"] == 1, timeout=300)
         assert st["current_step"] == 0, f"{what}: a stale embedding was served without a complaint: {st}"
         assert "other values than the snapshot" in st["last_error"] and "embed_tokens" in st["last_error"], st
-        assert status(server.url)["weight_version"] == "step-0000000000"
+        # The subscriber retries the refused step at each poll, and the engine holds the new
+        # version while a swap is under way (paused): between attempts it must be back on step 0.
+        wait_for(server.url, lambda s: s["update_phase"] is None and s["weight_version"] == "step-0000000000", 120)
     finally:
         server.stop()
