@@ -123,3 +123,15 @@ class TestQwen3TiedArenaDP2(TestQwen3TiedReloadDP2):
     the same shared arenas, and one swap flips both."""
 
     swap_path = "arena"
+
+
+class TestLlamaArena(VllmExactness):
+    family, swap_path = "llama", "arena"
+
+
+class TestQwen3MoeArena(VllmExactness):
+    family, swap_path = "qwen3_moe", "arena"
+
+
+class TestQwen2MoeArena(VllmExactness):
+    family, swap_path = "qwen2_moe", "arena"
