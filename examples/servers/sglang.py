@@ -8,6 +8,7 @@ The plugin is enabled by its flags: every setting is ``--delta-swap-<name>``.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 from collections.abc import Mapping, Sequence
@@ -29,6 +30,14 @@ def python() -> str:
         ["bash", str(ROOT / "scripts" / "sglang_env.sh")], check=True, capture_output=True, text=True, timeout=3600
     )
     return str(Path(out.stdout.strip().splitlines()[-1]) / "bin" / "python")
+
+
+def numba_cache_dir() -> Path:
+    """Where SGLang's environment caches the codec's compiled kernels: its own folder, as its numba
+    may differ from the trainer's (one shared cache would be compiled again at each switch)."""
+    digest = hashlib.sha256(python().encode()).hexdigest()[:12]
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "delta-swap" / f"numba-sglang-{digest}"
 
 
 def command(
@@ -73,6 +82,8 @@ def environment(*, plugin: bool = True, shim_log: Path | None = None) -> dict[st
     }  # an allowlist naming no plugin: plain SGLang
     if device() == "cpu":
         env["SGLANG_USE_CPU_ENGINE"] = "1"
+    if not os.environ.get("NUMBA_CACHE_DIR"):
+        env["NUMBA_CACHE_DIR"] = str(numba_cache_dir())
     if shim_log is not None:
         env["DELTA_SWAP_SGL_KERNEL_SHIM_LOG"] = str(shim_log)
     return env
