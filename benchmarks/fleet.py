@@ -5,11 +5,11 @@ regions behind capped links, each with a stock nginx cache and real rollout serv
 
 What runs (everything is removed at the end, also on failure or Ctrl-C):
 
-- moto's S3 server on the host (the bucket; anonymous reads allowed by a bucket policy, as a
+- the bucket: SeaweedFS on the host (:mod:`examples.servers.seaweedfs`: a master, ``--volumes``
+  volume servers, a filer and its S3 gateway). The trainer writes through the S3 API with its own
+  key (signature v4); reads are anonymous (an ``anonymous`` identity that may only read, as a
   region's cache would have through a VPC endpoint; snapshots are signed, so integrity does not
-  rest on the bucket). The trainer writes through its S3 API; reads go through an nginx on the
-  bucket's side, because moto copies a whole object to answer each ranged GET (seconds per
-  request for a 200 MB shard here, which S3 does not do);
+  rest on the bucket), ranged GETs straight from the gateway;
 - the trainer (:mod:`benchmarks.fleet_trainer`), a separate process publishing through the
   Publisher: a base, then a delta chain for ``--steps`` steps (phase ``delta``), then a full base
   at every step (phase ``full``), ``--every`` seconds apart;
@@ -17,8 +17,8 @@ What runs (everything is removed at the end, also on failure or Ctrl-C):
   with ``tc tbf`` (:mod:`benchmarks.netlab`); in each, ``--servers`` rollout servers (vLLM with
   the plugin; SGLang in the last region), each under a steady stream of client requests;
 - per path: ``cache``: an nginx caching proxy in each region (:mod:`benchmarks.regional_cache`),
-  the servers reading ``http://`` through it; ``direct``: every server reading the bucket itself
-  (over ``http://``, anonymously, as the caches do).
+  the servers reading ``http://`` through it; ``direct``: every server reading the bucket's S3
+  gateway itself (over ``http://``, anonymously, as the caches do).
 
 Printed per path, phase and region: staleness (steps and seconds behind the trainer, p50/p95,
 sampled from each server's status), the fraction of wall time the servers were not paused for
@@ -57,9 +57,9 @@ from delta_swap.signing import generate_keypair
 from examples.servers import sglang as sglang_server
 from examples.servers import vllm as vllm_server
 from examples.servers.process import Server, free_port
+from examples.servers.seaweedfs import ANONYMOUS, TRAINER, SeaweedFS
 
 BUCKET = "fleet"
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "fleet", "AWS_SECRET_ACCESS_KEY": "fleet", "AWS_DEFAULT_REGION": "us-east-1"}
 WORDS = "the of and to in is was for on that with as by at from his her it an were are which this".split()
 
 
@@ -68,6 +68,8 @@ class Config:
     size: str = "100M"
     regions: int = 3
     servers: int = 2
+    #: SeaweedFS volume servers behind the bucket (objects are spread over them).
+    volumes: int = 3
     mbit: float = 200.0
     every: float = 8.0
     steps: int = 10
@@ -148,7 +150,7 @@ class Load:
 
 
 def run_path(
-    cfg: Config, path: str, work: Path, model: Path, sites: list[Site], store: Bucket, key_paths: tuple[Path, Path]
+    cfg: Config, path: str, work: Path, model: Path, sites: list[Site], store: SeaweedFS, key_paths: tuple[Path, Path]
 ) -> dict:
     """Start the trainer, caches and servers for ``path``; drive every phase; return the figures."""
     run_prefix = f"run-{path}-{int(time.time())}"
@@ -157,8 +159,7 @@ def run_path(
     control.mkdir(parents=True)
     env = {
         **os.environ,
-        **CREDENTIALS,
-        "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{store.s3_port}",
+        **store.env(TRAINER),
         "PYTHONUNBUFFERED": "1",
     }
     trainer = subprocess.Popen(
@@ -191,7 +192,7 @@ def run_path(
     try:
         _wait_file(control / "ready", trainer, 600)
         for i, site in enumerate(sites):
-            store_url = _start_proxies(cfg, path, work, site, store.read_port, run_prefix)
+            store_url = _start_proxies(cfg, path, work, site, store.ports["s3"], run_prefix)
             settings = {"store": store_url, "poll_interval": cfg.poll_s, "trusted_key": str(key_paths[1])}
             server_env: dict[str, str] = {}
             engine = "sglang" if i >= len(sites) - cfg.sglang_regions else "vllm"
@@ -473,78 +474,14 @@ def _wait_until(cond, timeout: float, what: str) -> None:
         time.sleep(0.5)
 
 
-@dataclass(frozen=True)
-class Bucket:
-    """Where the trainer writes (moto's S3 API) and where everyone reads (its front)."""
-
-    s3_port: int
-    read_port: int
-
-
 @contextlib.contextmanager
-def bucket(work: Path) -> Iterator[Bucket]:
-    """moto's S3 server on every host address, with the bucket and its read policy, and an nginx
-    in front of it on the bucket's side. moto answers each ranged GET by copying the whole object
-    (seconds per request for a 200 MB shard on this machine), which real object stores do not; the
-    front fetches each object from moto once and serves ranges the way S3 does, for both paths."""
-    port = free_port()
-    front = None
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "0.0.0.0", "-p", str(port)],
-        stdout=open(work / "moto.log", "wb"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        _wait_until(lambda: _answers(f"http://127.0.0.1:{port}/"), 60, "moto")
-        import boto3
-
-        s3 = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", **_boto_credentials())
-        s3.create_bucket(Bucket=BUCKET)
-        s3.put_bucket_policy(
-            Bucket=BUCKET,
-            Policy=json.dumps(
-                {
-                    "Version": "2012-10-17",
-                    "Statement": [
-                        {
-                            "Effect": "Allow",
-                            "Principal": "*",
-                            "Action": "s3:GetObject",
-                            "Resource": f"arn:aws:s3:::{BUCKET}/*",
-                        }
-                    ],
-                }
-            ),
-        )
-        read_port = free_port()
-        front = RegionalCache(work / "bucket-front", f"http://127.0.0.1:{port}", listen=f"0.0.0.0:{read_port}").start()
-        front.wait_ready(f"http://127.0.0.1:{read_port}/")
-        yield Bucket(port, read_port)
-    finally:
-        if front is not None:
-            front.stop()
-        proc.terminate()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(10)
-        if proc.poll() is None:
-            proc.kill()
-
-
-def _boto_credentials() -> dict:
-    return {
-        "aws_access_key_id": CREDENTIALS["AWS_ACCESS_KEY_ID"],
-        "aws_secret_access_key": CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
-        "region_name": CREDENTIALS["AWS_DEFAULT_REGION"],
-    }
-
-
-def _answers(url: str) -> bool:
-    try:
-        httpx.get(url, timeout=2)
-        return True
-    except httpx.HTTPError:
-        return False
+def bucket(cfg: Config, work: Path) -> Iterator[SeaweedFS]:
+    """SeaweedFS on every host address (regions reach it over their links) with ``cfg.volumes``
+    volume servers, the bucket, the trainer's key and anonymous reads; stopped at the end."""
+    shutil.rmtree(work / "seaweedfs", ignore_errors=True)
+    with SeaweedFS(work / "seaweedfs", identities=(TRAINER, ANONYMOUS), volumes=cfg.volumes, bind="0.0.0.0") as store:
+        store.create_bucket(BUCKET)
+        yield store
 
 
 @contextlib.contextmanager
@@ -566,7 +503,7 @@ def run(cfg: Config, work: Path, out: Path | None) -> list[dict]:
     (work / "keys").mkdir()
     key_paths = generate_keypair(work / "keys" / "fleet")
     runs, rows = [], []
-    with bucket(work) as store, network(cfg) as sites:
+    with bucket(cfg, work) as store, network(cfg) as sites:
         for path in cfg.paths:
             print(
                 f"== {path}: {cfg.regions} regions x {cfg.servers} servers, links {cfg.mbit:g} Mbit/s, "
@@ -604,6 +541,7 @@ def main() -> None:
     parser.add_argument("--size", default=Config.size, choices=list(SIZES))
     parser.add_argument("--regions", type=int, default=Config.regions)
     parser.add_argument("--servers", type=int, default=Config.servers, help="rollout servers per region")
+    parser.add_argument("--volumes", type=int, default=Config.volumes, help="SeaweedFS volume servers")
     parser.add_argument("--mbit", type=float, default=Config.mbit, help="each region's link, megabits per second")
     parser.add_argument("--every", type=float, default=Config.every, help="seconds between trainer steps")
     parser.add_argument("--steps", type=int, default=Config.steps, help="trainer steps per phase")
@@ -618,6 +556,7 @@ def main() -> None:
         size=args.size,
         regions=args.regions,
         servers=args.servers,
+        volumes=args.volumes,
         mbit=args.mbit,
         every=args.every,
         steps=args.steps,

@@ -31,3 +31,16 @@ def _codec_kernels_compiled() -> None:
     from delta_swap import codec
 
     codec.warm_up()
+
+
+@pytest.fixture(scope="session")
+def seaweedfs(tmp_path_factory):
+    """A real S3 store for the session: SeaweedFS (master, volume, filer) with an S3 gateway that
+    checks signatures against two identities (the trainer's, which may write, and the servers',
+    read only) and an identity-less gateway on the same data for a fault-injecting proxy
+    (examples/servers/seaweedfs.py), holding the bucket ``rl-snapshots``. Stopped at the end."""
+    from examples.servers.seaweedfs import SeaweedFS
+
+    with SeaweedFS(tmp_path_factory.mktemp("seaweedfs"), open_gateway=True) as cluster:
+        cluster.create_bucket("rl-snapshots")
+        yield cluster

@@ -1,7 +1,9 @@
-"""A CI-sized run of the fleet benchmark (benchmarks/fleet.py): moto's S3 server, a trainer process,
-one region behind a capped link (a network namespace with ``tc tbf``; where namespaces cannot be
-made the benchmark says so and caps with nginx instead), a stock nginx cache in the region and two
-real vLLM servers under client load, read once through the cache and once directly.
+"""A CI-sized run of the fleet benchmark (benchmarks/fleet.py): SeaweedFS as the bucket (two volume
+servers; the trainer writes through its S3 gateway, the cache and the servers read from it), a
+trainer process, one region behind a capped link (a network namespace with ``tc tbf``; where
+namespaces cannot be made the benchmark says so and caps with nginx instead), a stock nginx cache in
+the region and two real vLLM servers under client load, read once through the cache and once
+directly.
 
 It checks what the benchmark claims: every server ends on the trainer's last step with no failed
 request, one copy per region crosses the link through the cache (two when both servers read
@@ -28,6 +30,7 @@ def rows(tmp_path_factory) -> list[dict]:
         size="3M",
         regions=1,
         servers=2,
+        volumes=2,
         mbit=32,
         every=4.0,
         steps=3,

@@ -1,6 +1,7 @@
 """A bucket that can be written but holds no key (issue #29): it cannot get a planted rank part
 committed, roll a server or a pull back, splice in another run signed with the same key, hide a
-frozen HEAD, or lock the key holder out. Real files on file://, and moto's S3 server."""
+frozen HEAD, or lock the key holder out. Real files on file://, and SeaweedFS's S3 gateway (the
+session's ``seaweedfs`` fixture, tests/conftest.py) with the trainer's key."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from delta_swap.stores import FileStore, open_store
 from delta_swap.subscriber import Subscriber
 from delta_swap.testing import RecordingAdapter
 from tests.support.chains import assert_state_equal, rl_steps
-from tests.test_transports import loop_thread, moto, s3  # noqa: F401  (moto's S3 server, one per module)
+from tests.test_transports import s3  # noqa: F401  (a fresh prefix on SeaweedFS's S3 gateway per test)
 
 CLI = [sys.executable, "-m", "delta_swap.cli"]
 

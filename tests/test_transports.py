@@ -1,5 +1,6 @@
-"""S3 (aiobotocore against moto's real S3 server) and HTTP (httpx against aiohttp's static file
-server) stores, with faults injected on the wire by a proxy in front of each server."""
+"""S3 (aiobotocore against a real SeaweedFS S3 gateway, signature v4 and identities checked) and
+HTTP (httpx against aiohttp's static file server) stores, with faults injected on the wire by a
+proxy in front of each server, and a store that dies mid-transfer (its gateway killed)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import asyncio
 import json
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,7 @@ import torch
 import xxhash
 
 from delta_swap.chain import ChainReader
-from delta_swap.errors import NotFoundError, ObjectTooLargeError, StoreError
+from delta_swap.errors import NotFoundError, ObjectTooLargeError, PublishError, StoreError
 from delta_swap.publisher import Publisher, PublisherConfig
 from delta_swap.rebuild import rebuild
 from delta_swap.retry import RetryPolicy
@@ -24,10 +27,13 @@ from delta_swap.stores.http import HttpConfig, HttpStore
 from delta_swap.stores.s3 import S3Config, S3Store
 from delta_swap.subscriber import Subscriber
 from delta_swap.testing import RecordingAdapter
+from examples.servers.seaweedfs import SERVER, TRAINER, Identity
 from tests.support.chains import assert_state_equal, rl_steps
 from tests.support.fault_proxy import Fault, LoopThread, start_proxy, start_static_server
 
 FAST_RETRY = RetryPolicy(attempts=6, base_delay_s=0.01, max_delay_s=0.05, timeout_s=2.0)
+BUCKET = "rl-snapshots"  # made by the session's ``seaweedfs`` fixture (tests/conftest.py)
+MIB = 1 << 20
 
 
 @pytest.fixture(scope="module")
@@ -38,53 +44,51 @@ def loop_thread():
 
 
 @pytest.fixture(scope="module")
-def moto(loop_thread):
-    """moto's S3 server on loopback, reached through a fault proxy (endpoint from AWS env vars)."""
-    from moto.server import ThreadedMotoServer
+def faults(loop_thread, seaweedfs):
+    """A fault proxy in front of SeaweedFS's identity-less gateway (the same data as the checked
+    one): the proxy rewrites the Host header a signature covers, so it cannot front the gateway
+    that checks signatures; those are tested on that gateway directly."""
+    return start_proxy(loop_thread, seaweedfs.endpoint_of("s3-open"))
 
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    host, port = server.get_host_and_port()
-    proxy = start_proxy(loop_thread, f"http://{host}:{port}")
-    env = {
-        "AWS_ACCESS_KEY_ID": "test",
-        "AWS_SECRET_ACCESS_KEY": "test",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL_S3": proxy.url,
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    import boto3
 
-    boto3.client("s3", endpoint_url=f"http://{host}:{port}").create_bucket(Bucket="rl-snapshots")
-    yield proxy
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    server.stop()
+def _as(monkeypatch, seaweedfs, identity: Identity) -> None:
+    """Point the S3 clients made from now on at the checked gateway as ``identity`` (through the
+    AWS environment, as a trainer or server is configured)."""
+    for k, v in seaweedfs.env(identity).items():
+        monkeypatch.setenv(k, v)
 
 
 @pytest.fixture
-def s3(moto, request):
-    """A fresh prefix per test, fault list cleared."""
-    moto.clear()
-    return f"s3://rl-snapshots/{request.node.name.replace('[', '-').replace(']', '')}"
+def s3(seaweedfs, request, monkeypatch) -> str:
+    """A fresh prefix per test on SeaweedFS's signature-checking gateway, as the trainer."""
+    _as(monkeypatch, seaweedfs, TRAINER)
+    return f"s3://{BUCKET}/{request.node.name.replace('[', '-').replace(']', '')}"
+
+
+@pytest.fixture
+def faulty_s3(s3, faults, monkeypatch) -> str:
+    """The same prefix reached through the fault proxy (fault list and log cleared)."""
+    faults.clear()
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", faults.url)
+    return s3
 
 
 def _s3(url: str, **cfg) -> S3Store:
     return S3Store(url, S3Config(retry=FAST_RETRY, **cfg))
 
 
-async def test_s3_store_round_trip_multipart_and_ranges(s3, moto) -> None:
-    big = os.urandom(13 << 20)
-    store = _s3(s3, part_size=5 << 20, multipart_threshold=6 << 20)
+def _prefix(url: str) -> str:
+    return url.removeprefix(f"s3://{BUCKET}/")
+
+
+async def test_s3_store_round_trip_multipart_and_ranges(s3, seaweedfs, faults, monkeypatch) -> None:
+    big = os.urandom(13 * MIB)
+    store = _s3(s3, part_size=5 * MIB, multipart_threshold=6 * MIB)
     await store.put("a/small", b"hello")
     await store.put("a/big", big)
     assert await store.get("a/small") == b"hello"
     assert await store.get("a/big") == big
-    assert await store.get("a/big", 7, (5 << 20) + 3) == big[7 : (5 << 20) + 3]
+    assert await store.get("a/big", 7, 5 * MIB + 3) == big[7 : 5 * MIB + 3]
     assert await store.size("a/big") == len(big) and await store.size("nope") is None
     assert await store.list("a/") == ["a/big", "a/small"]
     with pytest.raises(NotFoundError):
@@ -92,37 +96,230 @@ async def test_s3_store_round_trip_multipart_and_ranges(s3, moto) -> None:
     await store.delete("a/small")
     assert await store.list("a/") == ["a/big"]
     await store.close()
-    methods = [(m, p) for m, p, _ in moto.log]
-    assert any("uploadId" in p or m == "POST" for m, p in methods)  # multipart was used
-    assert sum(1 for m, p, s in moto.log if m == "GET" and p.endswith("a/big") and s == 206) >= 3  # parallel ranges
+    # The store holds it as a multipart object of three parts (its ETag says so) ...
+    etag = seaweedfs.client().head_object(Bucket=BUCKET, Key=f"{_prefix(s3)}/a/big")["ETag"]
+    assert etag.strip('"').endswith("-3"), etag
+    # ... and a reader fetches it in parallel ranges (seen by the proxy in front of the store).
+    faults.clear()
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", faults.url)
+    reader = _s3(s3, part_size=4 * MIB)
+    assert await reader.get("a/big") == big
+    await reader.close()
+    assert sum(1 for m, p, s in faults.log if m == "GET" and p.endswith("a/big") and s == 206) == 4
 
 
-async def test_s3_head_reads_are_conditional(s3, moto) -> None:
+async def test_s3_head_reads_are_conditional(s3) -> None:
     store = _s3(s3)
     await store.put("HEAD", b'{"snapshot_id": "step-0000000001", "step": 1}')
     first = await store.get_if_changed("HEAD", None)
     assert first is not None
-    assert await store.get_if_changed("HEAD", first[1]) is None
+    assert await store.get_if_changed("HEAD", first[1]) is None  # the store answered 304
     await store.put("HEAD", b'{"snapshot_id": "step-0000000002", "step": 2}')
     assert (await store.get_if_changed("HEAD", first[1]))[0].startswith(b'{"snapshot_id": "step-0000000002"')
     await store.close()
-    assert any(s == 304 for m, p, s in moto.log if p.endswith("/HEAD"))
 
 
 def _publish(url: str, steps, start: int = 0, **cfg) -> None:
-    with Publisher(url, PublisherConfig(base_every=100, **cfg)) as pub:
+    with Publisher(url, PublisherConfig(**{"base_every": 100, **cfg})) as pub:
         for i, s in enumerate(steps):
             pub.publish(start + i, s)
 
 
-async def test_publish_and_rebuild_over_s3(s3) -> None:
+async def test_publish_and_rebuild_over_s3_with_the_servers_read_only_key(s3, seaweedfs, monkeypatch) -> None:
     steps = rl_steps(5)
     _publish(s3, steps)
+    _as(monkeypatch, seaweedfs, SERVER)
     store = open_store(s3)
     manifests = await ChainReader(store).list()
     assert [m.kind for m in manifests] == ["base"] + ["delta"] * 4
     assert_state_equal((await rebuild(store))[1], steps[-1])
+    with pytest.raises(StoreError, match="AccessDenied"):  # the servers' key reads, never writes
+        await store.put("HEAD", b"{}")
+    with pytest.raises(StoreError, match="AccessDenied"):
+        await store.delete(manifests[0].snapshot_id + "/manifest.json")
     await store.close()
+    assert [m.step for m in await ChainReader(_s3(s3)).list()] == [0, 1, 2, 3, 4]
+
+
+BAD_ACCESS = {  # case: (store, identity, command, the S3 error the line names)
+    "missing bucket": ("s3://no-such-bucket/run", TRAINER, "inspect", "NoSuchBucket"),
+    "wrong secret": (
+        None,
+        Identity("trainer", TRAINER.access_key, "not-the-secret", ()),
+        "pull",
+        "SignatureDoesNotMatch",
+    ),
+    "unknown key": (None, Identity("nobody", "no-such-key", "x", ()), "inspect", "InvalidAccessKeyId"),
+    "read-only key publishes": (None, SERVER, "publish", "AccessDenied"),
+}
+
+
+def _cli(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """The ``delta-swap`` command in a process of its own."""
+    cmd = [sys.executable, "-m", "delta_swap.cli", *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **env})
+
+
+@pytest.mark.parametrize("case", sorted(BAD_ACCESS))
+def test_cli_bad_bucket_or_credentials_end_in_one_line(s3, seaweedfs, tmp_path, case) -> None:
+    """``delta-swap`` against a bucket that does not exist, with keys the gateway refuses, or
+    publishing with the servers' read-only key: exit 1 with one line naming the S3 error,
+    nothing written, and the trainer's key then publishes that step onto the intact chain."""
+    from safetensors.torch import save_file
+
+    steps = rl_steps(2)
+    _publish(s3, steps[:1])
+    url, identity, command, code = BAD_ACCESS[case]
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_file({k: v.contiguous() for k, v in steps[1].items()}, str(ckpt / "model.safetensors"))
+    argv = {
+        "inspect": ["inspect", "--store", url or s3],
+        "pull": ["pull", "--store", url or s3, "--out", str(tmp_path / "out"), "--quiet"],
+        "publish": ["publish", str(ckpt), "--store", url or s3, "--step", "1", "--quiet"],
+    }[command]
+    listing = {"Bucket": BUCKET, "Prefix": _prefix(s3)}
+    before = [(o["Key"], o["ETag"]) for o in seaweedfs.client().list_objects_v2(**listing)["Contents"]]
+    out = _cli(argv, seaweedfs.env(identity))
+    errors = [line for line in out.stderr.splitlines() if ": error:" in line]  # (warnings may precede it)
+    assert out.returncode == 1 and errors == out.stderr.strip().splitlines()[-1:], out.stderr
+    assert errors[0].startswith(f"delta-swap {command}: error:") and code in errors[0], out.stderr
+    assert not (tmp_path / "out").exists()
+    after = [(o["Key"], o["ETag"]) for o in seaweedfs.client().list_objects_v2(**listing)["Contents"]]
+    assert after == before  # nothing written, nothing lost
+    if command == "publish":
+        out = _cli(argv, seaweedfs.env(TRAINER))
+        assert out.returncode == 0, out.stderr
+        assert_state_equal(asyncio.run(rebuild(_s3(s3)))[1], steps[1])
+
+
+@pytest.mark.parametrize("case", ["missing bucket", "wrong secret", "unknown key"])
+async def test_a_server_with_a_bad_bucket_or_key_reports_it_in_its_status(s3, seaweedfs, monkeypatch, case) -> None:
+    _publish(s3, rl_steps(1))
+    url, identity, _, code = BAD_ACCESS[case]
+    _as(monkeypatch, seaweedfs, identity)
+    engine = RecordingAdapter()
+    sub = Subscriber(Settings(store=url or s3), engine, store=_s3(url or s3))
+    assert not await sub.sync()
+    error = sub.status()["last_error"]
+    assert sub.current is None and not engine.updates and code in error and "\n" not in error, error
+    await sub.stop()
+
+
+# ---------------------------------------------------------------------- the store dies mid-transfer
+
+BIG = {"embed.weight": (2048, 1536), "layers.0.q.weight": (1536, 1536), "lm_head.weight": (2048, 1536)}  # ~17 MB bf16
+
+
+class _KillsGatewayOn(S3Store):
+    """An S3 store that kills SeaweedFS's gateway when its client is about to send the ``nth``
+    request of ``operation`` (a botocore event): the store dies mid-transfer, at a known point."""
+
+    def __init__(self, url: str, seaweedfs, operation: str, nth: int, **cfg) -> None:
+        super().__init__(url, S3Config(retry=FAST_RETRY, **cfg))
+        self.seaweedfs, self.operation, self.nth, self.seen = seaweedfs, operation, nth, 0
+
+    revive_for_abort = False  # start the gateway again when the store aborts a multipart upload
+    revived = False
+
+    async def _s3(self):
+        fresh = self._client is None
+        client = await super()._s3()
+        if fresh:
+            client.meta.events.register(f"before-send.s3.{self.operation}", self._count)
+            client.meta.events.register("before-send.s3.AbortMultipartUpload", self._revive)
+        return client
+
+    def _revive(self, **_) -> None:
+        if self.revive_for_abort and "s3" not in self.seaweedfs.procs:
+            self.seaweedfs.start_gateway()
+            self.revived = True
+
+    def _count(self, request, **_) -> None:
+        if self.operation != "GetObject" or "/shard-" in request.url:
+            self.seen += 1
+            if self.seen == self.nth:
+                self.seaweedfs.kill_gateway()
+
+
+async def test_gateway_killed_mid_multipart_upload_leaves_no_object_and_head_in_place(s3, seaweedfs) -> None:
+    steps = rl_steps(2, shapes=BIG)
+    _publish(s3, steps[:1])
+    client = seaweedfs.client()
+    head_before = client.get_object(Bucket=BUCKET, Key=f"{_prefix(s3)}/HEAD")["Body"].read()
+    store = _KillsGatewayOn(s3, seaweedfs, "UploadPart", 2, part_size=5 * MIB, multipart_threshold=5 * MIB)
+    try:
+        with pytest.raises(PublishError, match="failed after 6 attempts") as failed:
+            with Publisher(store, PublisherConfig(base_every=1, heartbeat_every=0)) as pub:
+                pub.publish(1, steps[1])
+        # One line naming the part that failed (not the abort, which failed too: the store was gone).
+        assert "\n" not in str(failed.value) and " part " in str(failed.value) and "ABORT" not in str(failed.value)
+    finally:
+        seaweedfs.start_gateway()
+    assert store.seen >= 2
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket=BUCKET, Prefix=_prefix(s3))["Contents"]]
+    assert not [k for k in keys if "step-0000000001" in k], keys  # no part of the upload is visible
+    assert client.get_object(Bucket=BUCKET, Key=f"{_prefix(s3)}/HEAD")["Body"].read() == head_before
+    # The trainer publishes the step again: multipart, bit-exact, on the chain.
+    big = _s3(s3, part_size=5 * MIB, multipart_threshold=5 * MIB)
+    with Publisher(big, PublisherConfig(base_every=1, heartbeat_every=0)) as pub:
+        pub.publish(1, steps[1])
+    shards = [
+        o
+        for o in client.list_objects_v2(Bucket=BUCKET, Prefix=_prefix(s3))["Contents"]
+        if "step-0000000001/shard-" in o["Key"]
+    ]
+    assert shards and any(o["Size"] > 5 * MIB and "-" in o["ETag"] for o in shards)
+    store = _s3(s3)
+    manifest, state, path = await rebuild(store)
+    assert manifest.step == 1 and [m.step for m in path] == [1]
+    assert_state_equal(state, steps[1])
+    await store.close()
+
+
+async def test_a_multipart_upload_cut_off_by_a_store_that_comes_back_is_aborted(s3, seaweedfs) -> None:
+    """The gateway dies at the second part and is back by the time the store gives up: the put
+    fails naming a part, nothing is visible, and the upload is aborted (the store holds no parts)."""
+    store = _KillsGatewayOn(s3, seaweedfs, "UploadPart", 2, part_size=5 * MIB, multipart_threshold=5 * MIB)
+    store.revive_for_abort = True
+    try:
+        with pytest.raises(StoreError, match=" part .* failed after 6 attempts"):
+            await store.put("big", os.urandom(11 * MIB))
+    finally:
+        if "s3" not in seaweedfs.procs:
+            seaweedfs.start_gateway()
+    assert store.seen >= 2 and store.revived
+    assert await store.size("big") is None
+    await store.close()
+    uploads = seaweedfs.client().list_multipart_uploads(Bucket=BUCKET, Prefix=_prefix(s3))
+    assert not uploads.get("Uploads"), uploads
+
+
+async def test_gateway_killed_mid_download_keeps_the_last_good_and_recovers(s3, seaweedfs, monkeypatch) -> None:
+    steps = rl_steps(2, shapes=BIG)
+    _publish(s3, steps[:1], base_every=1)
+    _as(monkeypatch, seaweedfs, SERVER)
+    engine = RecordingAdapter()
+    store = _KillsGatewayOn(s3, seaweedfs, "GetObject", 3, part_size=1 * MIB, concurrency=2)
+    sub = Subscriber(Settings(store=s3), engine, store=store)
+    try:
+        store.nth = 0  # the first sync runs through
+        assert await sub.sync() and sub.current.step == 0
+        _as(monkeypatch, seaweedfs, TRAINER)
+        _publish(s3, steps[1:], start=1, base_every=1)  # a base: one large shard per tensor file
+        store.seen, store.nth = 0, 3
+        try:
+            assert not await sub.sync()
+        finally:
+            seaweedfs.start_gateway()
+        st = sub.status()
+        assert st["current_step"] == 0 and "failed after 6 attempts" in st["last_error"], st
+        assert "\n" not in st["last_error"] and len(engine.updates) == 1
+        assert await sub.sync(), sub.status()["last_error"]
+        assert sub.current.step == 1 and sub.status()["last_error"] is None
+        assert_state_equal(engine.weights, steps[1])
+    finally:
+        await sub.stop()
 
 
 # A fault matrix: each case ends with the right snapshot applied or the last good one kept.
@@ -136,47 +333,47 @@ TRANSIENT = {
 
 
 @pytest.mark.parametrize("case", sorted(TRANSIENT))
-async def test_s3_transient_faults_end_with_the_new_snapshot(s3, moto, case) -> None:
+async def test_s3_transient_faults_end_with_the_new_snapshot(faulty_s3, faults, case) -> None:
     steps = rl_steps(3)
-    _publish(s3, steps[:2])
+    _publish(faulty_s3, steps[:2])
     engine = RecordingAdapter()
-    sub = Subscriber(Settings(store=s3), engine, store=_s3(s3))
+    sub = Subscriber(Settings(store=faulty_s3), engine, store=_s3(faulty_s3))
     assert await sub.sync() and sub.current.step == 1
-    _publish(s3, steps[2:], start=2)
-    moto.add(*[Fault(**vars(f)) for f in TRANSIENT[case]])
+    _publish(faulty_s3, steps[2:], start=2)
+    faults.add(*[Fault(**vars(f)) for f in TRANSIENT[case]])
     assert await sub.sync(), sub.status()["last_error"]
     assert sub.current.step == 2 and sub.status()["last_error"] is None
     await sub.stop()
-    assert not moto.faults, "every injected fault was hit"
+    assert not faults.faults, "every injected fault was hit"
     assert_state_equal(engine.weights, steps[2])
 
 
-async def test_s3_missing_shard_and_head_ahead_of_its_shards_keep_the_last_good(s3, moto) -> None:
+async def test_s3_missing_shard_and_head_ahead_of_its_shards_keep_the_last_good(faulty_s3, faults) -> None:
     steps = rl_steps(3)
-    _publish(s3, steps[:2])
+    _publish(faulty_s3, steps[:2])
     engine = RecordingAdapter()
-    sub = Subscriber(Settings(store=s3), engine, store=_s3(s3))
+    sub = Subscriber(Settings(store=faulty_s3), engine, store=_s3(faulty_s3))
     await sub.sync()
-    _publish(s3, steps[2:], start=2)
+    _publish(faulty_s3, steps[2:], start=2)
     # The head names a snapshot whose shard is not visible yet (eventual listing, a slow copy...).
-    moto.add(Fault("missing", path="step-0000000002/shard-", method="*", times=100))
+    faults.add(Fault("missing", path="step-0000000002/shard-", method="*", times=100))
     assert not await sub.sync()
     st = sub.status()
     assert st["current_step"] == 1 and st["newest_step"] == 2 and "not found" in st["last_error"]
     assert len(engine.updates) == 1
-    moto.clear()  # the shard becomes visible
+    faults.clear()  # the shard becomes visible
     assert await sub.sync() and sub.current.step == 2
     await sub.stop()
     assert_state_equal(engine.weights, steps[2])
 
 
-async def test_a_dead_store_fails_fast_and_keeps_serving(s3, moto) -> None:
+async def test_a_dead_store_fails_fast_and_keeps_serving(faulty_s3, faults) -> None:
     steps = rl_steps(2)
-    _publish(s3, steps[:1])
+    _publish(faulty_s3, steps[:1])
     engine = RecordingAdapter()
-    sub = Subscriber(Settings(store=s3), engine, store=_s3(s3))
+    sub = Subscriber(Settings(store=faulty_s3), engine, store=_s3(faulty_s3))
     await sub.sync()
-    moto.add(Fault("status", path=".*", method="*", times=1000, status=500))
+    faults.add(Fault("status", path=".*", method="*", times=1000, status=500))
     assert not await sub.sync()
     assert sub.current.step == 0 and "failed after 6 attempts" in sub.status()["last_error"]
     await sub.stop()
@@ -259,13 +456,10 @@ def _follower(url: str, env: dict, target_step: int, out: str) -> None:
     Path(out).write_text(json.dumps({"snapshot": current and current.snapshot_id, "checksums": sums}))
 
 
-def test_several_subscriber_processes_converge_on_identical_weights(s3, tmp_path) -> None:
+def test_several_subscriber_processes_converge_on_identical_weights(s3, seaweedfs, tmp_path) -> None:
     steps = rl_steps(6)
     _publish(s3, steps[:1])
-    env = {
-        k: os.environ[k]
-        for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL_S3")
-    }
+    env = seaweedfs.env(SERVER)  # the servers' read-only key
     ctx = mp.get_context("spawn")
     outs = [tmp_path / f"sub{i}.json" for i in range(3)]
     procs = [ctx.Process(target=_follower, args=(s3, env, 5, str(o))) for o in outs]

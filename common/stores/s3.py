@@ -2,13 +2,15 @@
 
 Configured the standard AWS way: credentials and region from the environment, shared config and
 profiles (``AWS_PROFILE``), and ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL`` to point at another
-endpoint. Large objects are written with multipart uploads and read with parallel ranged GETs; a
-body cut short is resumed from where it stopped; the head pointer is read conditionally (ETag).
+endpoint (buckets are then addressed path-style). Large objects are written with multipart uploads
+(visible only once complete; a failed one is aborted) and read with parallel ranged GETs; a body
+cut short is resumed from where it stopped; the head pointer is read conditionally (ETag).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
@@ -16,6 +18,8 @@ from urllib.parse import urlparse
 from ..errors import DeltaSwapError, NotFoundError, StoreError, TransientError
 from ..retry import RetryPolicy, retry
 from .base import RangedStore, check_key, check_size, public_url
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -202,19 +206,30 @@ class S3Store(RangedStore):
             )
             return {"PartNumber": number, "ETag": resp["ETag"]}
 
+        sends = [asyncio.ensure_future(send(i + 1, off)) for i, off in enumerate(range(0, len(data), part))]
         try:
-            parts = await asyncio.gather(*(send(i + 1, off) for i, off in enumerate(range(0, len(data), part))))
+            parts = await asyncio.gather(*sends)
             await self._call(
                 f"COMPLETE MULTIPART {key}",
                 lambda c: c.complete_multipart_upload(
                     Bucket=self.bucket, Key=full, UploadId=upload_id, MultipartUpload={"Parts": list(parts)}
                 ),
             )
-        except BaseException:
-            await self._call(
-                f"ABORT MULTIPART {key}",
-                lambda c: c.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id),
-            )
+        except BaseException as failed:
+            # Nothing is visible until COMPLETE; the abort frees the stored parts, once no part is
+            # still on its way (a part sent after it would be stored again). When the store is gone
+            # the abort fails too: the upload's error is the one that counts, and the parts stay
+            # invisible until a lifecycle rule (AbortIncompleteMultipartUpload) removes them.
+            for task in sends:
+                task.cancel()
+            await asyncio.gather(*sends, return_exceptions=True)
+            try:
+                await self._call(
+                    f"ABORT MULTIPART {key}",
+                    lambda c: c.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id),
+                )
+            except Exception as exc:
+                log.warning("%s: left an incomplete multipart upload (%s) after %s", key, exc, type(failed).__name__)
             raise
 
     async def delete(self, key: str) -> None:
