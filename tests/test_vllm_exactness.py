@@ -80,6 +80,13 @@ class TestQwen3TiedReloadTP2(VllmExactness):
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 
+class TestQwen3MoeReloadTP2(TestQwen3TiedReloadTP2):
+    """MoE experts sharded over two tensor-parallel ranks: each rank reloads and reads back its
+    own shard of the experts (the sampled expert against the kernel's prepack of that shard)."""
+
+    family = "qwen3_moe"
+
+
 class TestQwen3TiedReloadDP2(VllmExactness):
     """``vllm serve --data-parallel-size 2`` as users type it: two engines (one core each) and two
     API servers (vLLM's default, one per engine). API server 0's subscriber pauses, updates and
