@@ -1,4 +1,4 @@
-"""A fault-injecting HTTP reverse proxy on loopback, in front of a real server (moto's S3 server,
+"""A fault-injecting HTTP reverse proxy on loopback, in front of a real server (SeaweedFS's S3 gateway without identities,
 a static file server), plus that static file server. Faults are injected on the wire, so the
 stores under test run their real client code paths (aiobotocore, httpx)."""
 
