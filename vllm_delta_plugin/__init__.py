@@ -12,6 +12,7 @@ snapshot of a store.
   weight arenas, or loads staged tensors through vLLM's layerwise reload;
 * :mod:`.worker_results` carries every worker's answer (describe, read-back) to the API server;
   a reload gets whole modules (:mod:`delta_swap.module_groups`) and is read back before the
-  engine generates (:mod:`delta_swap.readback`, ``verify_swaps``);
+  engine generates (:mod:`delta_swap.readback`, ``verify_swaps``; at TP > 1 each rank against its
+  own shard, built by :mod:`.readback_shards` through the layers' own weight loaders);
 * :mod:`.versions` tags OpenAI responses with the weight versions that produced them.
 """
