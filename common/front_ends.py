@@ -54,6 +54,10 @@ class FrontEnd:
     def leads(self) -> bool:
         return self.index == 0
 
+    def place(self) -> dict[str, int]:
+        """This front end's place, as the status shows it."""
+        return {"api_server": self.index, "api_servers": self.count}
+
     @classmethod
     def siblings_of(cls, parent_pid: int, index: int, count: int) -> FrontEnd:
         """Front ends started by one parent process (vLLM's ``serve`` starts its API servers so)."""
@@ -127,19 +131,16 @@ class Leader:
         return self.subscriber.served_snapshot_id
 
     def status(self) -> dict[str, Any]:
-        return {**self.subscriber.status(), **self._place()}
+        return {**self.subscriber.status(), **self.front_end.place()}
 
     async def describe(self) -> dict[str, Any]:
-        return {**await self.subscriber.describe(), **self._place()}
+        return {**await self.subscriber.describe(), **self.front_end.place()}
 
     async def resync(self, *, allow_older: bool = False) -> bool:
         return await self.subscriber.resync(allow_older=allow_older)
 
     def wake(self) -> None:
         self.subscriber.wake()
-
-    def _place(self) -> dict[str, Any]:
-        return {"api_server": self.front_end.index, "api_servers": self.front_end.count}
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -212,7 +213,7 @@ class Follower:
         return self._version
 
     def status(self) -> dict[str, Any]:
-        return {**self._last_status, **self._place()}
+        return {**self._last_status, **self.front_end.place()}
 
     async def describe(self) -> dict[str, Any]:
         try:
@@ -236,9 +237,6 @@ class Follower:
             await _ask(self.front_end.address, {"op": "notify"}, timeout=30)
         except (OSError, ConnectionError, asyncio.TimeoutError) as exc:
             log.warning("delta-swap: could not pass a notify on to the leading front end: %s", exc)
-
-    def _place(self) -> dict[str, Any]:
-        return {"api_server": self.front_end.index, "api_servers": self.front_end.count}
 
     async def _watch(self) -> None:
         """Keep one connection to the leader and take every version it pushes; reconnect if lost."""
