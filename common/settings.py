@@ -39,6 +39,7 @@ class SwapPath(str, Enum):
     AUTO = "auto"  # arena where the engine's parameters are plain host tensors, else reload
     ARENA = "arena"  # ask the engine for plain parameters where it allows it; reload where it cannot
     RELOAD = "reload"  # always the engine's own loader
+    INPLACE = "inplace"  # write only the changed elements into plain live parameters (undo log); reload elsewhere
 
 
 class VerifySwaps(str, Enum):
@@ -146,7 +147,9 @@ class Settings:
     """How updates reach the engine: auto (arena where the engine's parameters are plain host
     tensors, else the engine's own loader), arena (also asks an engine that would repack its weights
     for plain ones where it can, e.g. vLLM on CPUs with AMX or AVX512-BF16: a faster swap, slower
-    matrix products), reload (always the engine's own loader). The status says which path each
+    matrix products), inplace (asks for plain parameters the same way, then writes only the changed
+    elements into the live parameters, with an undo log, on any device and tensor-parallel rank),
+    reload (always the engine's own loader). The status says which path each
     swap took and why."""
 
     #: Extra flag spellings accepted for a field (kept for command lines written before the rename).

@@ -27,7 +27,7 @@ def register() -> None:
         WeightTransferEngineFactory.register_engine(
             BACKEND_NAME, "vllm_delta_plugin.transfer_engine", "DeltaSwapTransferEngine"
         )
-    if Settings.load().swap_path is SwapPath.ARENA:
+    if Settings.load().swap_path in (SwapPath.ARENA, SwapPath.INPLACE):
         keep_plain_cpu_weights()
 
 
@@ -56,4 +56,4 @@ def keep_plain_cpu_weights() -> None:
 
     dispatch_plain._delta_swap = True  # type: ignore[attr-defined]
     utils.dispatch_cpu_unquantized_gemm = dispatch_plain
-    log.info("delta_swap: DELTA_SWAP_SWAP_PATH=arena: CPU linear layers keep plain weights (no oneDNN/AMX repack)")
+    log.info("delta_swap: DELTA_SWAP_SWAP_PATH=arena/inplace: CPU linear layers keep plain weights (no oneDNN/AMX repack)")
