@@ -20,19 +20,21 @@ seconds.
 from __future__ import annotations
 
 import asyncio
+import collections
 import io
 import logging
 import os
 import queue
 import re
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from . import codec, codec_warm_up, store_keys
+from . import codec, codec_warm_up, head_cache, store_keys
 from .chain import ChainReader
 from .checksum import checksum, sha256
 from .commit import Part, commit, try_commit, write_part
@@ -62,7 +64,7 @@ from .safetensors_io import write_safetensors
 from .shard_format import DELTA_SHARD_MAGIC
 from .signing import SigningKey, TrustedKeys, split_paths
 from .stores import Store, open_store
-from .tensors import StateDict, state_to_host
+from .tensors import HostTensor, StateDict, state_to_host
 
 log = logging.getLogger("delta_swap.publisher")
 #: Snapshots read, newest first, to find the run of a store whose HEAD is unusable.
@@ -108,6 +110,14 @@ class PublisherConfig:
     #: After each new base, delete snapshots older than the newest ``keep_bases`` bases (0 keeps all).
     keep_bases: int = 0
     codec: codec.CodecConfig = field(default_factory=codec.CodecConfig)
+    #: Threads that encode a step's tensors in parallel (None: one per core this process may run
+    #: on, ``os.sched_getaffinity``); set fewer to leave cores to the trainer. The snapshot written
+    #: (manifest and shards) is the same byte for byte whatever the number.
+    encode_threads: int | None = None
+    #: A folder for a local copy of the tensors this rank last published (:mod:`.head_cache`): a
+    #: publisher that resumes uses it, once verified against the head manifest's checksums,
+    #: instead of rebuilding the store's head. None: no cache (``delta-swap publish`` sets one).
+    head_cache: str | None = None
 
 
 @dataclass
@@ -134,6 +144,11 @@ class Publisher:
             raise ConfigError(f"rank {config.rank} is outside world size {config.world_size}")
         if config.base_every < 1 or config.max_pending < 1:
             raise ConfigError("base_every and max_pending must be at least 1")
+        if config.encode_threads is not None and config.encode_threads < 1:
+            raise ConfigError(f"encode_threads must be at least 1, not {config.encode_threads}")
+        #: Threads encoding each step (``encode_threads``, else every core this process may use).
+        self.encode_threads = config.encode_threads or allowed_cores()
+        self._pool: ThreadPoolExecutor | None = None  # started with the first parallel encode
         self.config = config
         self.files = dict(files or {})
         key_path = config.signing_key or os.environ.get("DELTA_SWAP_SIGNING_KEY") or None
@@ -256,6 +271,8 @@ class Publisher:
                 finally:
                     self._queue.task_done()
         finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True, cancel_futures=True)
             loop.run_until_complete(store.close())
             loop.close()
 
@@ -302,6 +319,8 @@ class Publisher:
             await prune(store, cfg.keep_bases, ChainReader(store, trusted))
         self._prev_state, self._prev_id = job.state, snapshot_id
         self.published.append(snapshot_id)
+        if cfg.head_cache is not None:
+            await asyncio.to_thread(self._save_head, store, job.state, snapshot_id)
         if committed is not None:
             self.last_manifest = committed
 
@@ -327,6 +346,18 @@ class Publisher:
             raise ChainError(f"store head is at step {head.step}; cannot publish step {job.step} after it")
         if job.force_base or not verified_head:  # deltas only against the head, once it verified
             return
+        if cfg.head_cache is not None:
+            path = head_cache.cache_file(cfg.head_cache, store.public_url, head.run_id, cfg.rank)
+            cached = await asyncio.to_thread(head_cache.load, path, head, list(job.state))
+            if cached is not None:
+                try:
+                    self._last_base_step = (await reader.manifest(head.base_snapshot_id)).step
+                except (CorruptDataError, NotFoundError) as exc:
+                    log.warning("delta-swap: the base of the store's head cannot be read (%s)", exc)
+                else:
+                    log.info("delta-swap: continuing after %s from the cached head in %s", head.snapshot_id, path)
+                    self._prev_state, self._prev_id = cached, head.snapshot_id
+                    return
         limit = cfg.max_model_bytes or 2 * cfg.world_size * sum(t.nbytes for t in job.state.values())
         try:
             manifest, state, _ = await rebuild(store, head.snapshot_id, reader=reader, max_model_bytes=limit)
@@ -426,19 +457,23 @@ class Publisher:
         buf.write(DELTA_SHARD_MAGIC)
         entries = []
         raw_bytes = sum(t.nbytes for t in job.state.values())
-        for name, new in job.state.items():
-            old = self._prev_state[name]
-            digest = checksum(new.data)
-            self._progress(new.nbytes)
-            if np.array_equal(old.data, new.data):
-                entries.append(TensorEntry(name, new.dtype, new.shape, Encoding.SAME, digest))
-                continue
-            payload = codec.encode_tensor_delta(old.data, new.data, new.dtype, cfg.codec, shape=new.shape)
-            encoding = codec.payload_method(payload)
-            entries.append(TensorEntry(name, new.dtype, new.shape, encoding, digest, shard, buf.tell(), len(payload)))
-            buf.write(payload)
-            if buf.tell() > cfg.max_delta_fraction * raw_bytes:
-                return None
+        prev = self._prev_state
+        items = [(prev[name], new) for name, new in job.state.items()]
+        encoded = self._in_order(lambda pair: _encode_delta(pair[0], pair[1], cfg.codec), items)
+        try:
+            for (name, new), (digest, payload) in zip(job.state.items(), encoded):
+                self._progress(new.nbytes)
+                if payload is None:
+                    entries.append(TensorEntry(name, new.dtype, new.shape, Encoding.SAME, digest))
+                    continue
+                encoding = codec.payload_method(payload)
+                entry = TensorEntry(name, new.dtype, new.shape, encoding, digest, shard, buf.tell(), len(payload))
+                entries.append(entry)
+                buf.write(payload)
+                if buf.tell() > cfg.max_delta_fraction * raw_bytes:
+                    return None
+        finally:
+            encoded.close()  # a delta too large: the tensors not taken yet are not encoded
         data = buf.getvalue() if buf.tell() > len(DELTA_SHARD_MAGIC) else b""
         shards = [BlobEntry(shard, len(data), checksum(data), sha256(data))] if data else []
         part = Part(
@@ -456,15 +491,38 @@ class Publisher:
         )
         return part, data
 
+    def _in_order(self, work: Callable[[Any], Any], items: Iterable[Any]) -> Iterator[Any]:
+        """``work`` of each item, in the items' order, computed on :attr:`encode_threads` threads
+        with at most twice as many results done or under way at once (so the encoded payloads a
+        step holds besides its shard stay bounded); one thread computes them right here."""
+        if self.encode_threads == 1:
+            return (work(item) for item in items)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.encode_threads, thread_name_prefix="delta-swap-encode")
+        return _ordered(self._pool, work, items, 2 * self.encode_threads)
+
+    def _save_head(self, store: Store, state: StateDict, snapshot_id: str) -> None:
+        """Keep ``state`` as the head cache of this run (best effort: a failure is logged)."""
+        assert self.config.head_cache is not None
+        path = head_cache.cache_file(self.config.head_cache, store.public_url, self.run_id, self.config.rank)
+        try:
+            head_cache.save(path, state, snapshot_id)
+        except OSError as exc:
+            log.warning("delta-swap: cannot write the head cache %s: %s", path, exc)
+
     async def _full_part(self, store: Store, job: _Job, snapshot_id: str) -> Part:
         cfg = self.config
         shard = store_keys.shard_name(cfg.rank, cfg.world_size, Encoding.RAW)
         buf = io.BytesIO()
         locations = await asyncio.to_thread(write_safetensors, buf, sorted(job.state.items()))
         data = buf.getbuffer()
+        items = sorted(job.state.items())
+        digests = await asyncio.to_thread(
+            lambda: list(self._in_order(lambda t: checksum(t.data), [t for _, t in items]))
+        )
         entries = [
-            TensorEntry(name, t.dtype, t.shape, Encoding.RAW, checksum(t.data), shard, *locations[name])
-            for name, t in sorted(job.state.items())
+            TensorEntry(name, t.dtype, t.shape, Encoding.RAW, digest, shard, *locations[name])
+            for (name, t), digest in zip(items, digests)
         ]
         shard_entry = await asyncio.to_thread(lambda: BlobEntry(shard, len(data), checksum(data), sha256(data)))
         await store.put(store_keys.shard_key(snapshot_id, shard), data)
@@ -487,6 +545,41 @@ class Publisher:
             job.metadata,
             self.run_id,
         )
+
+
+def allowed_cores() -> int:
+    """The cores this process may run on (its CPU affinity), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity on this platform
+        return max(1, os.cpu_count() or 1)
+
+
+def _encode_delta(old: HostTensor, new: HostTensor, config: codec.CodecConfig) -> tuple[str, bytes | None]:
+    """The checksum of ``new`` and its payload against ``old`` (None when it did not change)."""
+    digest = checksum(new.data)
+    if np.array_equal(old.data, new.data):
+        return digest, None
+    return digest, codec.encode_tensor_delta(old.data, new.data, new.dtype, config, shape=new.shape)
+
+
+def _ordered(pool: ThreadPoolExecutor, work: Callable[[Any], Any], items: Iterable[Any], window: int) -> Iterator[Any]:
+    """``work(item)`` for each item, in order, with at most ``window`` submitted and not yet
+    taken; closing the iterator early cancels what has not started and waits for the rest."""
+    pending: collections.deque[Future[Any]] = collections.deque()
+    try:
+        for item in items:
+            pending.append(pool.submit(work, item))
+            if len(pending) >= window:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        for future in pending:
+            future.cancel()
+        for future in pending:
+            if not future.cancelled():
+                future.exception()  # wait: nothing of this step keeps running after it
 
 
 def _layout_of(state: StateDict) -> dict[str, tuple[str, tuple[int, ...]]]:

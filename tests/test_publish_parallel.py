@@ -1,0 +1,147 @@
+"""Parallel encoding (``PublisherConfig.encode_threads``) and the head cache (``head_cache``):
+the same snapshots byte for byte on any number of threads, and a cache that can only save a
+rebuild, never change what is published."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from delta_swap import head_cache
+from delta_swap.chain import ChainReader
+from delta_swap.errors import ConfigError
+from delta_swap.publisher import Publisher, PublisherConfig, allowed_cores
+from delta_swap.rebuild import rebuild
+from delta_swap.safetensors_io import parse_header
+from delta_swap.stores import FileStore
+from tests.support.chains import assert_state_equal, rl_steps
+
+#: More tensors than twice the threads below, of several sizes, so results arrive out of order.
+SHAPES = {f"layers.{i}.w": (16 + 8 * (i % 5), 64) for i in range(14)} | {"norm.weight": (64,)}
+RUN = "run-parallel-test"
+
+
+def _snapshot_files(root: Path) -> dict[str, bytes]:
+    """Every object of every snapshot (manifests without their creation time)."""
+    out = {}
+    for path in sorted((root / "snapshots").rglob("*")):
+        if path.is_file():
+            data = path.read_bytes()
+            if path.name == "manifest.json":
+                doc = json.loads(data)
+                doc.pop("created_at")
+                data = json.dumps(doc, sort_keys=True).encode()
+            out[str(path.relative_to(root))] = data
+    return out
+
+
+def _publish(root: Path, steps, **cfg) -> None:
+    with Publisher(str(root), PublisherConfig(run_id=RUN, **cfg)) as pub:
+        for i, state in enumerate(steps):
+            pub.publish(i, state)
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.02])  # 0.02: some deltas are too large and become bases
+def test_any_number_of_threads_writes_the_same_snapshots(tmp_path, fraction) -> None:
+    steps = rl_steps(5, shapes=SHAPES, lr=1e-4)
+    steps[3]["norm.weight"] = steps[2]["norm.weight"].clone()  # an unchanged tensor: SAME
+    trees = {}
+    for threads in (1, 3):
+        _publish(tmp_path / str(threads), steps, base_every=4, encode_threads=threads, max_delta_fraction=fraction)
+        trees[threads] = _snapshot_files(tmp_path / str(threads))
+    assert trees[1] == trees[3] and len(trees[1]) >= 10
+    kinds = [json.loads(v)["kind"] for k, v in trees[1].items() if k.endswith("manifest.json")]
+    assert ("delta" in kinds) == (fraction == 0.5) and kinds[0] == "base"
+
+
+async def test_parallel_chain_rebuilds_bit_exact_and_leaves_no_thread(tmp_path) -> None:
+    steps = rl_steps(4, shapes=SHAPES)
+    _publish(tmp_path, steps, encode_threads=4)
+    assert not [t for t in threading.enumerate() if t.name.startswith("delta-swap-encode")]
+    for i, expected in enumerate(steps):
+        assert_state_equal((await rebuild(FileStore(tmp_path), f"step-{i:010d}"))[1], expected)
+
+
+def test_encode_threads_default_and_bounds(tmp_path) -> None:
+    assert allowed_cores() >= 1
+    with Publisher(str(tmp_path)) as pub:
+        assert pub.encode_threads == allowed_cores()
+    with Publisher(str(tmp_path), PublisherConfig(encode_threads=1)) as pub:
+        assert pub.encode_threads == 1
+    with pytest.raises(ConfigError, match="encode_threads"):
+        Publisher(str(tmp_path), PublisherConfig(encode_threads=0))
+
+
+# ---------------------------------------------------------------------- the head cache
+
+
+def _cache_file(cache: Path, store: Path) -> Path:
+    return head_cache.cache_file(cache, FileStore(store).public_url, RUN, 0)
+
+
+def _no_rebuild(monkeypatch) -> None:
+    async def refuse(*args, **kwargs):
+        raise AssertionError("the head was rebuilt from the store")
+
+    monkeypatch.setattr("delta_swap.publisher.rebuild", refuse)
+
+
+async def test_a_cached_head_replaces_the_rebuild(tmp_path, monkeypatch) -> None:
+    steps = rl_steps(5)
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    _publish(store, steps[:3], base_every=10, head_cache=str(cache))
+    assert _cache_file(cache, store).is_file()
+    _no_rebuild(monkeypatch)
+    for i in (3, 4):  # a process per step, as ``delta-swap publish`` is
+        _publish_one(store, i, steps[i], head_cache=str(cache), base_every=10)
+    manifests = await ChainReader(FileStore(store)).list()
+    assert [m.kind for m in manifests] == ["base"] + ["delta"] * 4
+    for i, expected in enumerate(steps):
+        assert_state_equal((await rebuild(FileStore(store), f"step-{i:010d}"))[1], expected)
+
+
+def _publish_one(store: Path, step: int, state, **cfg) -> None:
+    with Publisher(str(store), PublisherConfig(run_id=RUN, **cfg)) as pub:
+        pub.publish(step, state)
+
+
+def _tamper(path: Path, name: str) -> None:
+    data = bytearray(path.read_bytes())
+    _, _, offset, length = parse_header(bytes(data[: 1 << 16]), len(data))[name]
+    data[offset + length // 2] ^= 0x01  # one bit of one element: a plausible but wrong weight
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["tampered", "missing", "stale", "garbage"])
+async def test_a_bad_cache_is_logged_and_the_head_rebuilt(tmp_path, caplog, damage) -> None:
+    steps = rl_steps(4)
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    _publish(store, steps[:2], base_every=10, head_cache=str(cache))
+    path = _cache_file(cache, store)
+    if damage == "tampered":
+        _tamper(path, "layers.0.q.weight")
+    elif damage == "missing":
+        path.unlink()
+    elif damage == "stale":  # the cache of an older step of the run
+        head_cache.save(path, _host(steps[0]), "step-0000000000")
+    else:
+        path.write_bytes(b"not a safetensors file")
+    with caplog.at_level(logging.WARNING, logger="delta_swap"):
+        _publish_one(store, 2, steps[2], head_cache=str(cache), base_every=10)
+    assert "rebuilding step-0000000001 from the store" in caplog.text
+    _publish_one(store, 3, steps[3], head_cache=str(cache), base_every=10)  # the cache is good again
+    manifests = await ChainReader(FileStore(store)).list()
+    assert [m.kind for m in manifests] == ["base", "delta", "delta", "delta"]
+    for i, expected in enumerate(steps):
+        assert_state_equal((await rebuild(FileStore(store), f"step-{i:010d}"))[1], expected)
+
+
+def _host(state: dict[str, torch.Tensor]):
+    from delta_swap.tensors import state_to_host
+
+    return state_to_host(state)
