@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from . import store_keys
+from . import head_cache, store_keys
 from .chain import READ_AHEAD, ChainReader
 from .checkpoint_dir import PULL_MARKER, install_checkpoint, is_side_file, read_checkpoint_dir, recover_install
 from .checksum import verify_blob
@@ -47,6 +47,7 @@ log = logging.getLogger("delta_swap.cli")
 def _progress(desc: str, total: int | None, enabled: bool) -> Iterator:
     from tqdm import tqdm
 
+    tqdm.monitor_interval = 0  # no monitor thread: the command leaves no thread behind
     with tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not enabled, file=sys.stderr) as bar:
         yield bar.update
 
@@ -80,6 +81,8 @@ def _cmd_publish(args: argparse.Namespace) -> int:
         max_delta_fraction=args.max_delta_fraction,
         signing_key=args.signing_key,
         run_id=args.run_id,
+        encode_threads=args.encode_threads,
+        head_cache=None if args.no_head_cache else str(args.head_cache or head_cache.default_folder()),
     )
     total = sum(t.nbytes for t in state.values())
     with _progress("publish", total, not args.quiet) as update, Publisher(args.store, config, files, update) as pub:
@@ -397,6 +400,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="the run to publish (default: the run of the store's newest snapshot that "
         "verifies, or a new one); snapshots of other runs are ignored",
     )
+    p.add_argument(
+        "--encode-threads",
+        type=int,
+        help="threads that encode the tensors (default: every core this process may run on)",
+    )
+    p.add_argument(
+        "--head-cache",
+        help="folder keeping a copy of the last published tensors, so the next delta needs no "
+        f"rebuild of the store's head (checked against its checksums first). Env: {head_cache.ENV_VAR} "
+        "(default: ~/.cache/delta-swap/heads)",
+    )
+    p.add_argument("--no-head-cache", action="store_true", help="rebuild the store's head for every delta")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_publish)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -17,6 +18,12 @@ def _run(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=300)
     assert (proc.returncode == 0) == ok, proc.stderr
     return proc
+
+
+@pytest.fixture(autouse=True)
+def _head_cache(tmp_path, monkeypatch) -> None:
+    """Every publish keeps its head cache in the test's folder, not the user's."""
+    monkeypatch.setenv("DELTA_SWAP_HEAD_CACHE", str(tmp_path / "heads"))
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +124,46 @@ def test_publish_leaves_no_process_behind(tmp_path, checkpoints) -> None:
 
     assert left() == []
     assert "waiting for the codec's compile" in proc.stderr
+
+
+def test_publish_continues_from_a_verified_head_cache(tmp_path, checkpoints) -> None:
+    """A publish after a publish takes the previous tensors from the head cache; a cache that
+    does not match the store's head (one bit of one tensor here) is said on stderr and the head
+    is rebuilt from the store, so the chain still rebuilds bit-exact."""
+    from delta_swap.safetensors_io import parse_header
+
+    store, cache = tmp_path / "store", tmp_path / "own-cache"
+    args = ("--store", str(store), "--head-cache", str(cache), "--quiet", "--encode-threads", "2")
+    _run("publish", str(checkpoints[0]), "--step", "0", *args)
+    (cached,) = cache.rglob("head-rank-*.safetensors")
+    proc = _run("publish", str(checkpoints[1]), "--step", "1", *args)
+    assert "rebuilding" not in proc.stderr, proc.stderr
+    data = bytearray(cached.read_bytes())
+    name, (_, _, offset, length) = next(iter(parse_header(bytes(data[: 1 << 16]), len(data)).items()))
+    data[offset + length // 2] ^= 0x01
+    cached.write_bytes(bytes(data))
+    proc = _run("publish", str(checkpoints[2]), "--step", "2", *args)
+    assert f"tensor {name} does not match" in proc.stderr and "rebuilding step-0000000001 from the store" in proc.stderr
+    rows = json.loads(_run("inspect", "--store", str(store), "--json").stdout)
+    assert [r["kind"] for r in rows] == ["base", "delta", "delta"]
+    out = tmp_path / "out"
+    _run("pull", "--store", str(store), "--out", str(out), "--quiet")
+    got, want = load_file(str(out / "model.safetensors")), load_file(str(checkpoints[2] / "model.safetensors"))
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_publish_in_process_leaves_no_thread_behind(tmp_path, checkpoints) -> None:
+    from delta_swap import cli
+
+    before = set(threading.enumerate())
+    for step in (0, 1):
+        assert (
+            cli.main(
+                ["publish", str(checkpoints[step]), "--store", str(tmp_path / "s"), "--step", str(step), "--quiet"]
+            )
+            == 0
+        )
+    assert [t.name for t in threading.enumerate() if t not in before] == []
 
 
 @pytest.mark.parametrize("cmd", ["publish", "pull", "inspect"])
