@@ -14,5 +14,8 @@ snapshot of a store.
   a reload gets whole modules (:mod:`delta_swap.module_groups`) and is read back before the
   engine generates (:mod:`delta_swap.readback`, ``verify_swaps``; at TP > 1 each rank against its
   own shard, built by :mod:`.readback_shards` through the layers' own weight loaders);
-* :mod:`.versions` tags OpenAI responses with the weight versions that produced them.
+* :mod:`.versions` tags OpenAI responses with the weight versions that produced them;
+* :mod:`.trainer_engine` is the trainer side of vLLM's weight-transfer API: the ``delta_swap``
+  trainer engine (``WeightTransferTrainerFactory``) publishes each ``send_weights()`` to the store;
+* :mod:`.compat` pins the vLLM versions the integration supports.
 """

@@ -12,9 +12,11 @@ log = logging.getLogger("vllm_delta_plugin")
 
 
 def register() -> None:
-    """Register the ``delta_swap`` weight-transfer backend (idempotent: vLLM may call this twice)."""
+    """Register the ``delta_swap`` weight-transfer backend, and the ``delta_swap`` trainer engine
+    (:mod:`.trainer_engine`, imported only when a trainer creates it), in their separate registries
+    (idempotent: vLLM may call this twice)."""
     import torch
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
     from delta_swap.settings import Settings, SwapPath
 
@@ -26,6 +28,10 @@ def register() -> None:
     if BACKEND_NAME not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
             BACKEND_NAME, "vllm_delta_plugin.transfer_engine", "DeltaSwapTransferEngine"
+        )
+    if BACKEND_NAME not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(
+            BACKEND_NAME, "vllm_delta_plugin.trainer_engine", "DeltaSwapTrainerEngine"
         )
     if Settings.load().swap_path in (SwapPath.ARENA, SwapPath.INPLACE):
         keep_plain_cpu_weights()
