@@ -83,6 +83,7 @@ def _cmd_publish(args: argparse.Namespace) -> int:
         run_id=args.run_id,
         encode_threads=args.encode_threads,
         head_cache=None if args.no_head_cache else str(args.head_cache or head_cache.default_folder()),
+        warm_up=False,  # one step per process: a delta loads the kernels as it encodes, a base needs none
     )
     total = sum(t.nbytes for t in state.values())
     with _progress("publish", total, not args.quiet) as update, Publisher(args.store, config, files, update) as pub:

@@ -2,7 +2,10 @@
 
 A training loop calls :meth:`Publisher.publish` after each optimizer step. The call copies the
 tensors to host memory and returns; encoding and upload run on a background thread with at
-most ``max_pending`` steps queued (bounded memory). Errors surface on the next ``publish``,
+most ``max_pending`` steps queued (bounded memory). That thread encodes a step's tensors on
+``encode_threads`` threads (default: every core the process may run on; the codec's kernels run
+without the GIL) and writes their payloads into the shard in the tensors' order, so the snapshot
+is the same byte for byte on any number of threads. Errors surface on the next ``publish``,
 ``flush`` or ``close``.
 
 Several ranks may each publish their own subset of the tensors into one snapshot: every rank
@@ -118,6 +121,11 @@ class PublisherConfig:
     #: publisher that resumes uses it, once verified against the head manifest's checksums,
     #: instead of rebuilding the store's head. None: no cache (``delta-swap publish`` sets one).
     head_cache: str | None = None
+    #: Compile (or load) the codec's kernels in the background from the start (:mod:`.codec_warm_up`),
+    #: so that the first delta, which follows a base, does not wait for them. A process that
+    #: publishes one step and exits (``delta-swap publish``) turns it off: a delta loads the
+    #: kernels as it encodes, and a base does not need them.
+    warm_up: bool = True
 
 
 @dataclass
@@ -182,7 +190,7 @@ class Publisher:
         self.run_id: str | None = config.run_id
         self._thread = threading.Thread(target=self._run, name=f"delta-swap-publisher-{config.rank}", daemon=True)
         self._thread.start()
-        if config.codec.version >= 2:
+        if config.codec.version >= 2 and config.warm_up:
             codec_warm_up.start_warm_up()  # the first delta comes after a base: compile meanwhile
 
     # ------------------------------------------------------------------ caller side
