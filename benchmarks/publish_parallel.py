@@ -1,0 +1,326 @@
+"""Publishing at the speed of training (issue #25): a delta step on 1 and on 2+ encode threads,
+and ``delta-swap publish`` per step with and without its head cache.
+
+    PYTHONPATH=$(bash scripts/import_root.sh):. python -m benchmarks.publish_parallel [--layers 4] [--steps 3]
+
+A synthetic Llama-shaped bf16 model (hidden 1024, MLP 2816, vocab 8192; ``--layers 4`` is ~124 MB)
+is trained by an Adam-like update of fp32 master weights (every element moves by about ``--lr``,
+so the chance that its bf16 copy changes grows as its magnitude shrinks, as in an RL run:
+benchmarks/rl_corpus.py). Step 0 is published as a base (not timed); each later step is timed:
+
+* library: ``Publisher.publish`` + ``flush`` (the host copy, encode, upload to a file:// store and
+  commit), once per ``encode_threads`` value, each in a process of its own so that its peak RSS
+  (``VmHWM``) is its own;
+* cli: ``python -m delta_swap.cli publish <checkpoint folder>`` per step, a process each (Python
+  start, imports, reading the folder, the head, encode, upload, commit), with ``--no-head-cache``
+  (the head is rebuilt from the store every step) and with a head cache.
+
+Also timed: one large tensor's delta encoded twice on one thread, then once on each of two threads
+at the same time (the codec's numba kernels run without the GIL, so two threads should take about
+the time of one encode on a machine with two free cores). The header names the CPU, its bf16 flags
+and the load average: figures from a machine that is not quiet are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HIDDEN, INTERMEDIATE, VOCAB = 1024, 2816, 8192
+
+
+def model_shapes(layers: int, hidden: int = HIDDEN, intermediate: int = INTERMEDIATE, vocab: int = VOCAB) -> dict:
+    """Llama-style tensor shapes (GQA with a quarter of the heads for k and v)."""
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "self_attn.q_proj.weight": (hidden, hidden),
+            p + "self_attn.k_proj.weight": (hidden // 4, hidden),
+            p + "self_attn.v_proj.weight": (hidden // 4, hidden),
+            p + "self_attn.o_proj.weight": (hidden, hidden),
+            p + "mlp.gate_proj.weight": (intermediate, hidden),
+            p + "mlp.up_proj.weight": (intermediate, hidden),
+            p + "mlp.down_proj.weight": (hidden, intermediate),
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+        }
+    shapes |= {"model.norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)}
+    return shapes
+
+
+class SyntheticTrainer:
+    """fp32 master weights (std 0.02, norms 1.0) nudged by an Adam-like step; ``state()`` is the
+    bf16 copy a trainer publishes."""
+
+    def __init__(self, shapes: dict, lr: float, seed: int = 0) -> None:
+        self.gen = torch.Generator().manual_seed(seed)
+        self.lr = lr
+        self.master = {
+            name: torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=self.gen) * 0.02
+            for name, shape in shapes.items()
+        }
+
+    def advance(self) -> None:
+        for w in self.master.values():
+            w += torch.randn(w.shape, generator=self.gen) * self.lr
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {name: w.to(torch.bfloat16) for name, w in self.master.items()}
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e6
+
+
+def _peak_rss_mb() -> float:
+    """This process's peak RSS (``VmHWM``: unlike ``ru_maxrss``, not inherited from a parent that
+    forked it), in MB."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1e3
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3
+
+
+#: Runs ``delta_swap.cli`` with the given arguments and prints its peak RSS on stderr at exit.
+_CLI_WRAPPER = (
+    "import atexit, runpy, sys\n"
+    "from benchmarks.publish_parallel import _peak_rss_mb\n"
+    "atexit.register(lambda: print(f'PEAK_RSS_MB={_peak_rss_mb()}', file=sys.stderr))\n"
+    "sys.argv = ['delta-swap', *sys.argv[1:]]\n"
+    "runpy.run_module('delta_swap.cli', run_name='__main__')\n"
+)
+
+
+def measure_library(shapes: dict, steps: int, threads: int, lr: float, work: Path) -> dict:
+    """Seconds per delta step of ``Publisher`` on ``threads`` encode threads, payload bytes, RSS."""
+    from delta_swap.publisher import Publisher, PublisherConfig
+
+    store = work / f"library-{threads}"
+    shutil.rmtree(store, ignore_errors=True)
+    trainer = SyntheticTrainer(shapes, lr)
+    seconds, payload = [], []
+    with Publisher(str(store), PublisherConfig(base_every=10_000, encode_threads=threads)) as pub:
+        pub.publish(0, trainer.state())
+        pub.flush()
+        rss_before = _rss_mb()
+        for step in range(1, steps + 1):
+            trainer.advance()
+            state = trainer.state()
+            start = time.perf_counter()
+            pub.publish(step, state)
+            pub.flush()
+            seconds.append(time.perf_counter() - start)
+            assert pub.last_manifest is not None and pub.last_manifest.kind == "delta"
+            payload.append(pub.last_manifest.payload_bytes)
+            del state
+    return {
+        "mode": "library",
+        "threads": threads,
+        "seconds": seconds,
+        "payload_bytes": payload,
+        "model_bytes": pub.last_manifest.model_bytes,
+        "rss_before_mb": rss_before,
+        "peak_rss_mb": _peak_rss_mb(),
+    }
+
+
+def _write_checkpoint(state: dict[str, torch.Tensor], folder: Path) -> None:
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+
+
+def measure_cli(shapes: dict, steps: int, lr: float, work: Path, head_cache: bool, threads: int | None = None) -> dict:
+    """Wall seconds per ``delta-swap publish`` of a delta step (a process each), with or without
+    the head cache; the children's peak RSS."""
+    name = f"cli-{'cache' if head_cache else 'nocache'}"
+    store, cache = work / name, work / f"{name}-heads"
+    shutil.rmtree(store, ignore_errors=True)
+    shutil.rmtree(cache, ignore_errors=True)
+    trainer = SyntheticTrainer(shapes, lr)
+    flags = ["--head-cache", str(cache)] if head_cache else ["--no-head-cache"]
+    flags += ["--encode-threads", str(threads)] if threads else []
+    seconds, payload = [], []
+    peak = 0.0
+    for step in range(steps + 1):
+        if step:
+            trainer.advance()
+        folder = work / f"{name}-checkpoint"
+        shutil.rmtree(folder, ignore_errors=True)
+        _write_checkpoint(trainer.state(), folder)
+        cmd = [sys.executable, "-c", _CLI_WRAPPER, "publish", str(folder), "--store", str(store)]
+        cmd += ["--step", str(step), "--base-every", "10000", "--quiet", *flags]
+        elapsed, rss_mb, stdout, stderr = _run_measured(cmd)
+        if head_cache and step and "rebuilding" in stderr:
+            raise RuntimeError(f"the head cache was not used: {stderr[-2000:]}")
+        if step:
+            seconds.append(elapsed)
+            payload.append(int(stdout.split(": ")[1].split()[0]))
+            peak = max(peak, rss_mb)
+    shutil.rmtree(folder, ignore_errors=True)
+    return {
+        "mode": f"cli, {'head cache' if head_cache else 'no head cache'}",
+        "threads": threads or _cores(),
+        "seconds": seconds,
+        "payload_bytes": payload,
+        "model_bytes": sum(int(np.prod(s)) * 2 for s in shapes.values()),
+        "rss_before_mb": float("nan"),
+        "peak_rss_mb": peak,
+    }
+
+
+def _run_measured(cmd: list[str]) -> tuple[float, float, str, str]:
+    """Run ``cmd`` (the CLI wrapper): its wall seconds, its peak RSS in MB, its stdout and stderr."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        start = time.perf_counter()
+        returncode = subprocess.run(cmd, stdout=out, stderr=err, text=True, timeout=1800).returncode
+        elapsed = time.perf_counter() - start
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if returncode != 0:
+        raise RuntimeError(f"delta-swap publish failed ({returncode}): {stderr[-2000:]}")
+    peaks = [float(line.split("=", 1)[1]) for line in stderr.splitlines() if line.startswith("PEAK_RSS_MB=")]
+    return elapsed, peaks[-1] if peaks else float("nan"), stdout, stderr
+
+
+def measure_gil(rows: int, cols: int, lr: float) -> dict:
+    """Seconds for two deltas of a ``rows x cols`` bf16 tensor on one thread, then on two."""
+    from delta_swap import codec
+
+    trainer = SyntheticTrainer({"a": (rows, cols), "b": (rows, cols)}, lr)
+    old = {k: v.view(-1).view(torch.uint8).numpy().copy() for k, v in trainer.state().items()}
+    trainer.advance()
+    new = {k: v.view(-1).view(torch.uint8).numpy().copy() for k, v in trainer.state().items()}
+
+    def encode(k: str) -> None:
+        codec.encode_tensor_delta(old[k], new[k], "BF16", shape=(rows, cols))
+
+    encode("a")  # compile or load the kernels outside the timing
+    start = time.perf_counter()
+    encode("a")
+    encode("b")
+    one = time.perf_counter() - start
+    threads = [threading.Thread(target=encode, args=(k,)) for k in ("a", "b")]
+    start, cpu = time.perf_counter(), time.process_time()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    two, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return {
+        "tensor": f"{rows}x{cols}",
+        "mb": rows * cols * 2 / 1e6,
+        "one_thread_s": one,
+        "two_threads_s": two,
+        "two_threads_cpu_s": cpu,
+    }
+
+
+def _cores() -> int:
+    from delta_swap.publisher import allowed_cores
+
+    return allowed_cores()
+
+
+def machine() -> list[str]:
+    """The CPU, its bf16-relevant flags, the cores this process may use and the load."""
+    model, flags = "unknown", set()
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout.splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "Model name":
+                model = value.strip()
+            elif key.strip() == "Flags":
+                flags = set(value.split())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    amx = sorted(f for f in flags if f.startswith("amx"))
+    load = os.getloadavg()
+    return [
+        f"cpu: {model}; avx512f {'yes' if 'avx512f' in flags else 'no'}, "
+        f"avx512_bf16 {'yes' if 'avx512_bf16' in flags else 'no'}, amx {' '.join(amx) if amx else 'no'}",
+        f"cores allowed: {_cores()}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the start",
+    ]
+
+
+def summarize(rows: list[dict]) -> list[str]:
+    lines = [
+        f"{'mode':<22} {'threads':>7} {'s/step':>8} {'model MB/s':>10} {'payload bytes':>14} "
+        f"{'payload %':>9} {'RSS before MB':>13} {'peak RSS MB':>11}"
+    ]
+    for r in rows:
+        s = float(np.median(r["seconds"]))
+        pay = int(np.median(r["payload_bytes"]))
+        lines.append(
+            f"{r['mode']:<22} {r['threads']:>7} {s:>8.3f} {r['model_bytes'] / 1e6 / s:>10.1f} {pay:>14} "
+            f"{100 * pay / r['model_bytes']:>8.2f}% {r['rss_before_mb']:>13.0f} {r['peak_rss_mb']:>11.0f}"
+        )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers (4: ~124 MB of bf16)")
+    parser.add_argument("--steps", type=int, default=3, help="timed delta steps per configuration")
+    parser.add_argument("--lr", type=float, default=1e-5, help="Adam-like step size of the master weights")
+    parser.add_argument("--threads", type=int, nargs="+", help="encode threads to compare (default: 1 and all cores)")
+    parser.add_argument("--workdir")
+    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)  # one library run, as JSON
+    args = parser.parse_args()
+    shapes = model_shapes(args.layers)
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="delta-swap-parallel-"))
+    if args.child is not None:
+        print(json.dumps(measure_library(shapes, args.steps, args.child, args.lr, work)))
+        return
+    for line in machine():
+        print(line)
+    nbytes = sum(int(np.prod(s)) * 2 for s in shapes.values())
+    print(f"model: {len(shapes)} bf16 tensors, {nbytes / 1e6:.0f} MB; {args.steps} delta steps at lr {args.lr:g}")
+    gil = measure_gil(4096, 4096, args.lr)
+    print(
+        f"GIL check: two {gil['tensor']} bf16 deltas ({gil['mb']:.0f} MB each) on one thread "
+        f"{gil['one_thread_s']:.3f} s, on two threads {gil['two_threads_s']:.3f} s "
+        f"(x{gil['one_thread_s'] / gil['two_threads_s']:.2f}; {gil['two_threads_cpu_s'] / gil['two_threads_s']:.2f} "
+        "cores busy on average: above 1 only if the threads run at once, without the GIL)",
+        flush=True,
+    )
+    rows = []
+    for threads in args.threads or sorted({1, _cores()}):
+        cmd = [sys.executable, "-m", "benchmarks.publish_parallel", "--child", str(threads)]
+        cmd += ["--layers", str(args.layers), "--steps", str(args.steps), "--lr", str(args.lr), "--workdir", str(work)]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=3600).stdout
+        rows.append(json.loads(out.strip().splitlines()[-1]))
+        print(summarize(rows)[-1], flush=True)
+    for cached in (False, True):
+        rows.append(measure_cli(shapes, args.steps, args.lr, work, head_cache=cached))
+        print(summarize(rows)[-1], flush=True)
+    print("\n".join(summarize(rows)))
+    load = os.getloadavg()
+    print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the end")
+    if not args.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

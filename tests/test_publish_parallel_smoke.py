@@ -1,0 +1,34 @@
+"""A CI-sized run of the parallel-publish benchmark (benchmarks/publish_parallel.py): a tiny
+Llama-shaped model, the library on 1 and 2 encode threads, ``delta-swap publish`` with its head
+cache, the GIL check, the machine header and the table.
+
+It checks that every configuration ran and that the thread count changes nothing of what is
+stored, not this machine's speed."""
+
+from __future__ import annotations
+
+from benchmarks import publish_parallel as bench
+
+SHAPES = bench.model_shapes(2, hidden=64, intermediate=128, vocab=256)
+
+
+def test_library_rows_store_the_same_payload_on_any_thread_count(tmp_path) -> None:
+    rows = [bench.measure_library(SHAPES, 2, threads, 1e-4, tmp_path) for threads in (1, 2)]
+    assert rows[0]["payload_bytes"] == rows[1]["payload_bytes"] and all(rows[0]["payload_bytes"])
+    assert all(len(r["seconds"]) == 2 and r["peak_rss_mb"] > 0 for r in rows)
+    header, *lines = bench.summarize(rows)
+    assert "s/step" in header and "peak RSS MB" in header
+    assert [line.split()[:2] for line in lines] == [["library", "1"], ["library", "2"]]
+
+
+def test_cli_row_uses_the_head_cache(tmp_path) -> None:
+    row = bench.measure_cli(SHAPES, 1, 1e-4, tmp_path, head_cache=True, threads=2)
+    assert row["mode"] == "cli, head cache" and len(row["seconds"]) == 1 and row["payload_bytes"][0] > 0
+    assert row["peak_rss_mb"] > 0 and bench.summarize([row])[1].startswith("cli, head cache")
+
+
+def test_gil_check_and_machine_header() -> None:
+    gil = bench.measure_gil(64, 256, 1e-4)
+    assert gil["one_thread_s"] > 0 and gil["two_threads_s"] > 0
+    cpu, cores = bench.machine()
+    assert cpu.startswith("cpu: ") and "avx512_bf16" in cpu and "amx" in cpu and cores.startswith("cores allowed")
