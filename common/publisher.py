@@ -295,40 +295,49 @@ class Publisher:
         prev = self._prev_state
         must_full = cadence or prev is None or _layout_of(prev) != _layout_of(job.state)
         delta = None if must_full else await asyncio.to_thread(self._delta_part, job, snapshot_id)
-        if delta is None:
-            part = await self._full_part(store, job, snapshot_id)
-        else:
-            part, data = delta
-            for shard in part.shards:
-                await store.put(store_keys.shard_key(snapshot_id, shard.name), data)
-        if cadence or (cfg.world_size == 1 and part.full):
-            self._last_base_step = job.step
-        sign, trusted = self.signing_key, self.trusted
-        if cfg.world_size == 1:
-            try:
-                committed: Manifest | None = await commit(store, [part], sign, cfg.max_step_jump, trusted)
-            except ChainError as exc:
-                if part.full or sign is None:
-                    raise
-                # The predecessor was deleted or replaced by something unsigned: start again from a base.
-                log.warning("delta-swap: cannot publish %s as a delta (%s); publishing a base", snapshot_id, exc)
-                part = await self._full_part(store, job, snapshot_id)
-                self._last_base_step = job.step
-                committed = await commit(store, [part], sign, cfg.max_step_jump, trusted)
-        else:
-            await write_part(store, part, sign)
-            committed = await try_commit(store, snapshot_id, cfg.world_size, sign, cfg.max_step_jump, trusted)
-        if committed is not None:
-            self.run_id = committed.run_id
-            await self._heartbeat(store, committed)
-        if committed is not None and cfg.notify_urls:
-            await notify(cfg.notify_urls, committed, token=self._notify_token)
-        if committed is not None and cfg.keep_bases and committed.kind is SnapshotKind.BASE:
-            await prune(store, cfg.keep_bases, ChainReader(store, trusted))
-        self._prev_state, self._prev_id = job.state, snapshot_id
-        self.published.append(snapshot_id)
+        # The head cache is written while the snapshot uploads and commits (it is checked against
+        # the head manifest before any use, so a publish that fails after it only costs a rebuild).
+        saving = None
         if cfg.head_cache is not None:
-            await asyncio.to_thread(self._save_head, store, job.state, snapshot_id)
+            saving = asyncio.ensure_future(
+                asyncio.to_thread(self._save_head, store, job.state, snapshot_id, self.run_id)
+            )
+        try:
+            if delta is None:
+                part = await self._full_part(store, job, snapshot_id)
+            else:
+                part, data = delta
+                for shard in part.shards:
+                    await store.put(store_keys.shard_key(snapshot_id, shard.name), data)
+            if cadence or (cfg.world_size == 1 and part.full):
+                self._last_base_step = job.step
+            sign, trusted = self.signing_key, self.trusted
+            if cfg.world_size == 1:
+                try:
+                    committed: Manifest | None = await commit(store, [part], sign, cfg.max_step_jump, trusted)
+                except ChainError as exc:
+                    if part.full or sign is None:
+                        raise
+                    # The predecessor was deleted or replaced by something unsigned: start again from a base.
+                    log.warning("delta-swap: cannot publish %s as a delta (%s); publishing a base", snapshot_id, exc)
+                    part = await self._full_part(store, job, snapshot_id)
+                    self._last_base_step = job.step
+                    committed = await commit(store, [part], sign, cfg.max_step_jump, trusted)
+            else:
+                await write_part(store, part, sign)
+                committed = await try_commit(store, snapshot_id, cfg.world_size, sign, cfg.max_step_jump, trusted)
+            if committed is not None:
+                self.run_id = committed.run_id
+                await self._heartbeat(store, committed)
+            if committed is not None and cfg.notify_urls:
+                await notify(cfg.notify_urls, committed, token=self._notify_token)
+            if committed is not None and cfg.keep_bases and committed.kind is SnapshotKind.BASE:
+                await prune(store, cfg.keep_bases, ChainReader(store, trusted))
+            self._prev_state, self._prev_id = job.state, snapshot_id
+            self.published.append(snapshot_id)
+        finally:
+            if saving is not None:
+                await saving
         if committed is not None:
             self.last_manifest = committed
 
@@ -509,10 +518,10 @@ class Publisher:
             self._pool = ThreadPoolExecutor(self.encode_threads, thread_name_prefix="delta-swap-encode")
         return _ordered(self._pool, work, items, 2 * self.encode_threads)
 
-    def _save_head(self, store: Store, state: StateDict, snapshot_id: str) -> None:
-        """Keep ``state`` as the head cache of this run (best effort: a failure is logged)."""
+    def _save_head(self, store: Store, state: StateDict, snapshot_id: str, run_id: str | None) -> None:
+        """Keep ``state`` as the head cache of run ``run_id`` (best effort: a failure is logged)."""
         assert self.config.head_cache is not None
-        path = head_cache.cache_file(self.config.head_cache, store.public_url, self.run_id, self.config.rank)
+        path = head_cache.cache_file(self.config.head_cache, store.public_url, run_id, self.config.rank)
         try:
             head_cache.save(path, state, snapshot_id)
         except OSError as exc:
