@@ -30,7 +30,7 @@ import os
 import queue
 import re
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -508,7 +508,7 @@ class Publisher:
         )
         return part, data
 
-    def _in_order(self, work: Callable[[Any], Any], items: Iterable[Any]) -> Iterator[Any]:
+    def _in_order(self, work: Callable[[Any], Any], items: Iterable[Any]) -> Generator[Any, None, None]:
         """``work`` of each item, in the items' order, computed on :attr:`encode_threads` threads
         with at most twice as many results done or under way at once (so the encoded payloads a
         step holds besides its shard stay bounded); one thread computes them right here."""
@@ -580,7 +580,9 @@ def _encode_delta(old: HostTensor, new: HostTensor, config: codec.CodecConfig) -
     return digest, codec.encode_tensor_delta(old.data, new.data, new.dtype, config, shape=new.shape)
 
 
-def _ordered(pool: ThreadPoolExecutor, work: Callable[[Any], Any], items: Iterable[Any], window: int) -> Iterator[Any]:
+def _ordered(
+    pool: ThreadPoolExecutor, work: Callable[[Any], Any], items: Iterable[Any], window: int
+) -> Generator[Any, None, None]:
     """``work(item)`` for each item, in order, with at most ``window`` submitted and not yet
     taken; closing the iterator early cancels what has not started and waits for the rest."""
     pending: collections.deque[Future[Any]] = collections.deque()
