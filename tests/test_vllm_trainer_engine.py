@@ -1,7 +1,8 @@
 """vLLM's native trainer API with the ``delta_swap`` trainer engine (vllm_delta_plugin.trainer_engine).
 
 The engine is created through vLLM's own ``WeightTransferTrainerFactory``; its steps land in a store
-as a signed chain that rebuilds bit-exact, from one rank or from two that each publish their share;
+as a signed chain that rebuilds bit-exact, from one rank or from two that each publish their share
+(two engines in one process; two FSDP2 gloo ranks whose ModuleSource yields gathered DTensors);
 it notifies and waits for the servers named by the client; an unsupported vLLM fails in one line.
 One engine test drives a real vLLM server with the plugin through the engine and compares its
 prompt logprobs with a fresh server's on the last checkpoint.
@@ -138,6 +139,51 @@ async def test_two_ranks_each_publish_their_share_into_one_chain(tmp_path) -> No
     }
     for manifest, state in zip(manifests, expected):
         assert_state_equal((await rebuild(store, manifest.snapshot_id))[1], state)
+
+
+def _fsdp2_rank(rank: int, world: int, port: int, model_dir: str, store: str, out: str) -> None:
+    """One FSDP2 rank of a vLLM-native loop: ``ModuleSource`` over DTensor parameters."""
+    import torch.distributed as dist
+
+    from tests.test_trainer_hooks import _fsdp2_model
+
+    model = _fsdp2_model(rank, world, port, model_dir)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(3, 500, (2, 12), generator=torch.Generator().manual_seed(rank))
+    info = DeltaSwapTrainerInitInfo(store, base_every=10, world_size=world, rank=rank)
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=None, source=ModuleSource(model))  # type: ignore[arg-type]
+    largest_share = 0
+    for _ in range(3):
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        engine.send_weights()
+        params = dict(model.named_parameters())  # DTensors: numel() is the whole tensor's
+        share = sum(params[name].numel() * 2 for name in engine.last_names)  # type: ignore[attr-defined]
+        largest_share = max(largest_share, share)
+    engine.shutdown()
+    full = {k: v.full_tensor().detach().to(torch.bfloat16) for k, v in model.named_parameters()}
+    if rank == 0:
+        total = sum(t.numel() * t.element_size() for t in full.values())
+        torch.save({"state": full, "largest_share": largest_share, "total": total}, out)
+    dist.destroy_process_group()
+
+
+async def test_two_fsdp2_ranks_send_their_shares_without_gathering_the_model(tmp_path) -> None:
+    """Two gloo ranks with DTensor parameters: every rank takes part in each tensor's gather and
+    keeps only its share, which it publishes; the chain holds the whole model."""
+    from examples.tiny_model import make_tiny_model
+    from tests.test_trainer_hooks import _run_two_ranks
+
+    model_dir = make_tiny_model(
+        tmp_path / "m", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, init_std=0.02
+    )
+    result = _run_two_ranks(_fsdp2_rank, model_dir, tmp_path)
+    assert 0 < result["largest_share"] < 0.75 * result["total"]  # no rank held the whole model to publish
+    store = FileStore(tmp_path / "store")
+    manifests = await ChainReader(store).list()
+    assert [(m.step, m.kind.value) for m in manifests] == [(0, "base"), (1, "delta"), (2, "delta")]
+    assert_state_equal((await rebuild(store))[1], result["state"])
 
 
 class _FakeServer(BaseHTTPRequestHandler):
