@@ -145,3 +145,22 @@ def _host(state: dict[str, torch.Tensor]):
     from delta_swap.tensors import state_to_host
 
     return state_to_host(state)
+
+
+def test_every_codec_kernel_releases_the_gil() -> None:
+    """The publisher encodes (and servers decode) tensors on threads: that is parallel only while
+    every numba kernel of codec v2 runs with ``nogil=True``."""
+    import importlib
+    import pkgutil
+
+    from numba.core.registry import CPUDispatcher
+
+    import delta_swap.codec.v2 as v2
+
+    kernels = []
+    for info in pkgutil.iter_modules(v2.__path__):
+        module = importlib.import_module(f"{v2.__name__}.{info.name}")
+        for name, obj in vars(module).items():
+            if isinstance(obj, CPUDispatcher) and obj.__module__ == module.__name__:
+                kernels.append((f"{info.name}.{name}", obj.targetoptions.get("nogil")))
+    assert len(kernels) > 20 and [k for k, nogil in kernels if not nogil] == []
