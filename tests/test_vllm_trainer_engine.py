@@ -21,17 +21,24 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-import torch
-from vllm.distributed.weight_transfer import HTTPVLLMWeightSyncClient, ModuleSource, WeightTransferTrainerFactory
 
-from delta_swap.chain import ChainReader
-from delta_swap.errors import ConfigError
-from delta_swap.rebuild import rebuild
-from delta_swap.signing import TrustedKeys, generate_keypair
-from delta_swap.stores import FileStore
-from tests.support.chains import assert_state_equal
-from vllm_delta_plugin import compat
-from vllm_delta_plugin.trainer_engine import DeltaSwapTrainerEngine, DeltaSwapTrainerInitInfo
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm", exc_type=ImportError)
+
+from vllm.distributed.weight_transfer import (  # noqa: E402
+    HTTPVLLMWeightSyncClient,
+    ModuleSource,
+    WeightTransferTrainerFactory,
+)
+
+from delta_swap.chain import ChainReader  # noqa: E402
+from delta_swap.errors import ConfigError  # noqa: E402
+from delta_swap.rebuild import rebuild  # noqa: E402
+from delta_swap.signing import TrustedKeys, generate_keypair  # noqa: E402
+from delta_swap.stores import FileStore  # noqa: E402
+from tests.support.chains import assert_state_equal  # noqa: E402
+from vllm_delta_plugin import compat  # noqa: E402
+from vllm_delta_plugin.trainer_engine import DeltaSwapTrainerEngine, DeltaSwapTrainerInitInfo  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
