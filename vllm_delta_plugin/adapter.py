@@ -1,11 +1,16 @@
 """The vLLM engine adapter: swaps verified updates into a running vLLM through its engine client.
 
-Two paths, chosen once per server from what the workers report (``describe``):
+Three paths, chosen once per server from what the workers report (``describe``):
 
 * **arena** (parameters are plain host tensors, as on CPUs without AMX or AVX512-BF16): updates
   are decoded straight into the spare one of two shared-memory weight arenas laid out like the
   engine's parameters, and the swap points every parameter at it (``commit``): the pause does not
   grow with the model, and the spare arena is the only copy delta-swap adds;
+* **inplace** (``swap_path=inplace``, where every parameter is a plain tensor holding the
+  checkpoint's elements: vLLM on GPUs for bf16/fp16, its CPU path with plain weights; every
+  tensor-parallel rank): the changed tensors are staged, and while the engine generates each worker
+  works out which elements of its parameters change (through the model's own loaders) and keeps
+  them next to them; the pause writes only those, with an undo log (:mod:`delta_swap.inplace`);
 * **reload** (everywhere else, or with ``DELTA_SWAP_SWAP_PATH=reload``): the changed tensors,
   completed to whole modules (:mod:`delta_swap.module_groups`: fused q/k/v and gate/up with their biases,
   every expert of an MoE layer), are staged as one safetensors file in shared memory and loaded
@@ -59,6 +64,8 @@ class StagedFile:
     verify_names: list[str]
     #: Whether this swap is read back (``verify_swaps`` and its budget decide when staging).
     verify: bool = False
+    #: The in-place path: the workers hold the changed elements (``stage_inplace``) of this file.
+    inplace: bool = False
 
 
 def packed_modules_of(vllm_config: Any) -> Mapping[str, Sequence[str]] | None:
@@ -116,6 +123,10 @@ class VllmAdapter(EngineAdapter):
         self.packed = packed
         #: The two weight arenas, on the arena path (None: the reload path, or not described yet).
         self.arenas: ArenaPair | None = None
+        #: Whether the workers write changed elements in place (the inplace path).
+        self.inplace = False
+        #: What the workers staged for the last in-place swap ({"elements": ..., "bytes": ...}).
+        self.last_staged: dict[str, Any] | None = None
         self._described = False
         #: Why this server swaps the way it does (shown in the status).
         self.path_reason: str | None = None
@@ -138,9 +149,16 @@ class VllmAdapter(EngineAdapter):
 
     async def describe(self) -> dict[str, Any]:
         return {
-            "swap_path": "arena" if self.arenas else ("reload" if self._described else None),
+            "swap_path": "arena"
+            if self.arenas
+            else "inplace"
+            if self.inplace
+            else "reload"
+            if self._described
+            else None,
             "swap_path_reason": self.path_reason,
             "last_verification": self.last_verification,
+            "last_staged": self.last_staged,
             "verification": self.verify_budget.describe(),
         }
 
@@ -173,7 +191,10 @@ class VllmAdapter(EngineAdapter):
                 self.packed = {k: list(v) for k, v in doc["packed"].items()}
                 self._groups = module_groups(self.served.specs, self.packed)
             self.path_reason = doc["reason"]
-            if doc["layout"]:
+            self.inplace = bool(doc.get("inplace"))
+            if self.inplace:
+                log.info("delta_swap: writing changed elements in place on each swap (%s)", doc["reason"])
+            elif doc["layout"]:
                 layout = ArenaLayout.from_json(doc["layout"])
                 try:
                     self.arenas = await asyncio.to_thread(ArenaPair, self.settings.staging_dir, layout)
@@ -183,10 +204,11 @@ class VllmAdapter(EngineAdapter):
                     log.warning("delta_swap: no weight arenas (%s); falling back to the %s path", exc, "reload")
             else:
                 log.info("delta_swap: reloading changed tensors on each swap (%s)", doc["reason"])
-            if self.settings.swap_path is SwapPath.ARENA and self.arenas is None:
+            asked = self.settings.swap_path
+            if (asked is SwapPath.ARENA and self.arenas is None) or (asked is SwapPath.INPLACE and not self.inplace):
                 log.warning(
-                    "delta_swap: DELTA_SWAP_SWAP_PATH=arena, but this engine cannot swap by reference (%s): "
-                    "reloading instead",
+                    "delta_swap: DELTA_SWAP_SWAP_PATH=%s, but this engine cannot take that path (%s): reloading instead",
+                    asked.value,
                     self.path_reason,
                 )
         if self.arenas is None or specs != self.arenas.layout.specs:
@@ -200,7 +222,9 @@ class VllmAdapter(EngineAdapter):
                 return arena
             if self.arenas.live is not None:
                 raise EngineError("vllm: an update outside the weight arenas after the engine moved into them")
-        if self.packed is None:
+        if self.inplace:  # only the changed tensors: the workers find the changed elements of each
+            names = sorted(update.names)
+        elif self.packed is None:
             names = sorted(update.state)
         else:
             names = sorted(complete_modules(update.names, self._groups, self.packed) & update.state.keys())
@@ -221,12 +245,29 @@ class VllmAdapter(EngineAdapter):
                     write_safetensors(fh, [(n, update.state[n]) for n in tensors])
 
         await asyncio.to_thread(write)
-        return StagedFile(path, names, check_path, check, verify)
+        staged = StagedFile(path, names, check_path, check, verify, inplace=self.inplace)
+        if self.inplace:
+            output = path + ".staged.json"
+            try:
+                await self._call({"op": "stage_inplace", "path": path, "names": names, "output": output})
+            except BaseException:
+                await self.unstage(staged)
+                raise
+            finally:
+                answers = read_worker_results(output)
+            self.last_staged = {
+                "elements": sum(a["elements"] for a in answers),
+                "bytes": max((a["bytes"] for a in answers), default=0),
+                "seconds": max((a["seconds"] for a in answers), default=0.0),
+            }
+        return staged
 
     async def unstage(self, staged: StagedFile | Arena) -> None:
         if isinstance(staged, StagedFile):
             for file in {staged.path, staged.verify_path}:
                 os.unlink(file)
+            if staged.inplace:  # the workers drop the staged elements and the undo log
+                await self._call({"op": "drop_inplace"})
 
     async def close(self) -> None:
         if self.arenas is not None:  # the workers keep their mappings until they exit
@@ -257,6 +298,10 @@ class VllmAdapter(EngineAdapter):
             await self._call({"op": "commit", "path": str(staged.path)}, update.version)
             assert self.arenas is not None
             self.arenas.live = staged
+        elif staged.inplace:
+            await self._scatter(staged)
+            if update.version is not None:
+                await self.engine.update_weight_version(update.version)
         else:
             started, check_s = time.perf_counter(), None
             if staged.verify:  # read back before the engine generates on the new weights
@@ -298,6 +343,23 @@ class VllmAdapter(EngineAdapter):
             answers = read_worker_results(output)
         self.last_verification = merge_verifications(answers)
 
+    async def _scatter(self, staged: StagedFile) -> None:
+        """Have the workers write the staged elements in place (and read them back if due); a
+        worker that fails undoes its writes and answers the error, raised here."""
+        started, output = time.perf_counter(), staged.path + ".scatter.json"
+        info: dict[str, Any] = {"op": "scatter", "output": output, "fail_after": _injected_failure()}
+        if staged.verify:
+            info.update(verify_path=staged.verify_path, verify_names=staged.verify_names)
+        try:
+            await self._call(info)
+        finally:
+            answers = read_worker_results(output)
+        check_s = None
+        if staged.verify:
+            self.last_verification = merge_verifications(answers)
+            check_s = self.last_verification["seconds"]
+        self.verify_budget.record(time.perf_counter() - started - (check_s or 0.0), check_s)
+
     def engine_error(self, exc: BaseException) -> EngineError:
         """vLLM wraps a worker's exception in two layers of text; keep the worker's own message."""
         text = str(exc)
@@ -311,3 +373,15 @@ class VllmAdapter(EngineAdapter):
     async def resume(self) -> None:
         if await self.engine.is_paused():
             await self.engine.resume_generation()
+
+
+#: Tests only: while this file exists and holds N, every in-place swap fails after writing N parameters.
+FAIL_SCATTER_ENV = "DELTA_SWAP_TEST_FAIL_SCATTER"
+
+
+def _injected_failure() -> int:
+    """The number of parameters after which the next scatter fails (-1: it does not)."""
+    marker = os.environ.get(FAIL_SCATTER_ENV)
+    if not marker or not os.path.exists(marker):
+        return -1
+    return int(Path(marker).read_text().strip() or 0)

@@ -9,6 +9,12 @@
 * ``load`` with ``verify_path``: also finish the reload and read back, in the same call, what the
   reloaded modules now compute with against that file's tensors (:mod:`delta_swap.readback`; each
   tensor-parallel rank against its own shard of them, :mod:`.readback_shards`);
+* ``stage_inplace`` / ``scatter`` / ``drop_inplace``: the in-place path (``swap_path=inplace``,
+  where every parameter is a plain tensor holding the checkpoint's values as the engine's loaders
+  place them): while the engine generates, ``stage_inplace`` works out each parameter's changed
+  elements through the model's own loaders (:mod:`.inplace_changes`) and keeps them next to the
+  parameters; in the pause ``scatter`` writes them with an undo log (:mod:`delta_swap.inplace`),
+  reads the changed modules back if asked, and undoes everything on any failure;
 * ``load`` (default): load the tensors of a staged safetensors file or checkpoint folder through
   vLLM's layerwise reload, which works after CPU (oneDNN, AMX) or GPU post-load processing has
   repacked the weights: the reload path, used everywhere else. Modules that share a parameter
@@ -43,6 +49,7 @@ from delta_swap.arena import Arena, ArenaLayout
 from delta_swap.checkpoint_dir import read_checkpoint_dir
 from delta_swap.dtypes import from_torch_dtype
 from delta_swap.errors import ChecksumMismatchError, IncompatibleSnapshotError
+from delta_swap.inplace import ElementChanges, UndoLog, scatter
 from delta_swap.module_groups import complete_modules, module_groups, module_of
 from delta_swap.readback import modules_sharing_parameters_with as _modules_sharing_parameters_with
 from delta_swap.readback import verify_modules
@@ -50,6 +57,7 @@ from delta_swap.served_model import ServedModel
 from delta_swap.settings import Settings, SwapPath
 from delta_swap.torch_params import check_matches, plan_layout, point_parameters
 
+from .inplace_changes import element_changes, merged
 from .readback_shards import local_shards
 from .worker_results import write_worker_result
 
@@ -75,6 +83,8 @@ class DeltaSwapUpdateInfo(WeightTransferUpdateInfo):
     #: (``verify_names`` of it), in the same call; the result goes to ``output``.
     verify_path: str = ""
     verify_names: list[str] = field(default_factory=list)
+    #: With ``scatter``: fail after writing this many parameters (tests of the undo log; -1: never).
+    fail_after: int = -1
 
 
 def _read_tensors(path: str, wanted: set[str]) -> list[tuple[str, torch.Tensor]]:
@@ -106,6 +116,9 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         self._active = False
         self._layout: ArenaLayout | None = None
         self._arenas: dict[str, Arena] = {}
+        #: The in-place path: the staged changes, and the undo log of the last scatter.
+        self._changes: list[ElementChanges] = []
+        self._undo: UndoLog | None = None
 
     def init_transfer_engine(self, init_info: DeltaSwapInitInfo) -> None:
         pass
@@ -125,6 +138,12 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             self._commit(update_info.path)
         elif update_info.op == "load":
             self._load(update_info)
+        elif update_info.op == "stage_inplace":
+            self._stage_inplace(update_info)
+        elif update_info.op == "scatter":
+            self._scatter(update_info)
+        elif update_info.op == "drop_inplace":
+            self._changes, self._undo = [], None
         else:
             raise ValueError(f"delta_swap: unknown operation {update_info.op!r}")
 
@@ -133,7 +152,12 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         the fused-module mapping that updates on the reload path are completed with."""
         params = dict(self.model.named_parameters())
         layout: ArenaLayout | None = None
-        if Settings.load().swap_path is SwapPath.RELOAD:
+        swap_path = Settings.load().swap_path
+        if swap_path is SwapPath.INPLACE:
+            inplace, reason = self._inplace_possible()
+            write_worker_result(output, {"layout": None, "reason": reason, "packed": self._packed, "inplace": inplace})
+            return
+        if swap_path is SwapPath.RELOAD:
             reason = "DELTA_SWAP_SWAP_PATH=reload"
         elif not self._served.specs:
             reason = "the served checkpoint is not a local folder"
@@ -158,6 +182,79 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         point_parameters(dict(self.model.named_parameters()), arena)
         log.info("delta_swap: parameters now live in %s (%.1f ms)", path, 1000 * (time.perf_counter() - started))
 
+    def _inplace_possible(self) -> tuple[bool, str]:
+        """Whether every parameter holds the served checkpoint's values as plain elements where
+        the model's own loaders put them (else: why not), checked by loading the served checkpoint
+        into scratch copies: no element may differ."""
+        if self._served.checkpoint_dir is None:
+            return False, "the served checkpoint is not a local folder"
+        started = time.perf_counter()
+        weights = _read_tensors(self._served.checkpoint_dir, set())
+        try:
+            with set_current_vllm_config(self.vllm_config), torch.inference_mode():
+                changes, _ignored = element_changes(self.model, weights, self._packed)
+        except Exception as exc:
+            return False, f"cannot map the checkpoint onto the parameters: {type(exc).__name__}: {exc}"
+        if changes:
+            return (
+                False,
+                f"the engine holds {changes[0].param} in another form than the checkpoint (packed for a kernel?)",
+            )
+        log.info("delta_swap: parameters are plain; in-place swaps (checked in %.2fs)", time.perf_counter() - started)
+        return True, "parameters are plain tensors holding the checkpoint's elements"
+
+    def _stage_inplace(self, update_info: DeltaSwapUpdateInfo) -> None:
+        """Work out, through the model's own loaders, which elements of this rank's parameters the
+        staged tensors change, and keep them (positions, new values) next to the parameters."""
+        started = time.perf_counter()
+        weights = _read_tensors(update_info.path, set(update_info.names))
+        self._served.check_fits(
+            {name: (from_torch_dtype(t.dtype), tuple(t.shape)) for name, t in weights}, complete=False
+        )
+        with set_current_vllm_config(self.vllm_config), torch.inference_mode():
+            changes, _ignored = element_changes(self.model, weights, self._packed)
+        self._changes, self._undo = merged(changes), None
+        elements = sum(c.positions.numel() for c in self._changes)
+        seconds = time.perf_counter() - started
+        log.info(
+            "delta_swap: staged %d changed elements of %d parameters in %.3fs", elements, len(self._changes), seconds
+        )
+        if update_info.output:
+            nbytes = sum(c.nbytes for c in self._changes)
+            write_worker_result(update_info.output, {"elements": elements, "bytes": nbytes, "seconds": seconds})
+
+    def _scatter(self, update_info: DeltaSwapUpdateInfo) -> None:
+        """Write the staged changes into the live parameters (undo log kept), then read the
+        changed modules back if asked; any failure puts the old values back and is answered in
+        ``output`` (see :meth:`_verify` for why answered, not raised)."""
+        started = time.perf_counter()
+        params = dict(self.model.named_parameters())
+
+        def fault(done: int) -> None:
+            if 0 <= update_info.fail_after <= done:
+                raise RuntimeError(f"delta_swap: injected failure after writing {done} parameters")
+
+        try:
+            with torch.inference_mode():
+                self._undo = scatter(params, self._changes, fault if update_info.fail_after >= 0 else None)
+                if torch.accelerator.is_available():
+                    torch.accelerator.synchronize()
+        except Exception as exc:  # scatter undid its writes
+            log.error("delta_swap: the in-place swap failed and was undone: %s", exc)
+            write_worker_result(
+                update_info.output, {"checks": 0, "seconds": 0.0, "error": f"{type(exc).__name__}: {exc}"}
+            )
+            return
+        written = time.perf_counter() - started
+        log.info("delta_swap: wrote %d changed parameters in place in %.1f ms", len(self._changes), 1000 * written)
+        if not update_info.verify_path:
+            write_worker_result(update_info.output, {"checks": 0, "seconds": 0.0, "written_s": written})
+            return
+        if not self._verify(update_info.verify_path, update_info.verify_names, update_info.output):
+            with torch.inference_mode():
+                self._undo.undo()
+            log.error("delta_swap: the read-back after the in-place swap failed: the old values are back")
+
     def _load(self, update_info: DeltaSwapUpdateInfo) -> None:
         started = time.perf_counter()
         weights = _read_tensors(update_info.path, set(update_info.names))
@@ -178,7 +275,7 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             self._finalize()
             self._verify(update_info.verify_path, update_info.verify_names, update_info.output)
 
-    def _verify(self, path: str, names: list[str], output: str) -> None:
+    def _verify(self, path: str, names: list[str], output: str) -> bool:
         """Read back the modules a ``load`` just reloaded (and those sharing a parameter with
         them) through the engine's own kernels against the tensors ``names`` of the file ``path``;
         raise if any computes with other values; write what was checked to ``output``."""
@@ -190,7 +287,7 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
                 write_worker_result(
                     output, {"checks": 0, "seconds": 0.0, "skipped": "pipeline parallel stages hold some layers"}
                 )
-            return
+            return True
         # each tensor-parallel rank checks its own shard, loaded through the modules' own loaders
         shard = local_shards(self._packed) if parallel.tensor_parallel_size > 1 else None
         published = dict(_read_tensors(path, set(names)))
@@ -207,11 +304,12 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             # answer left over from this one. The API server raises on any worker's error.
             log.error("delta_swap: the read-back failed: %s", message)
             write_worker_result(output, {"checks": 0, "seconds": time.perf_counter() - started, "error": message})
-            return
+            return False
         seconds = time.perf_counter() - started
         log.info("delta_swap: verified %d modules against the snapshot in %.1f ms", checks, 1000 * seconds)
         if output:
             write_worker_result(output, {"checks": checks, "seconds": seconds})
+        return True
 
     def _validate(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         self._served.check_fits(

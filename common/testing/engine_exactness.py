@@ -102,7 +102,7 @@ class EngineExactnessTests:
 
     #: A key of :data:`PARTIAL_DELTAS`.
     family: ClassVar[str] = "llama"
-    #: ``Settings.swap_path`` for the server and the references: auto, arena or reload.
+    #: ``Settings.swap_path`` for the server and the references: auto, arena, inplace or reload.
     swap_path: ClassVar[str] = "auto"
     #: Other ``Settings`` fields for the plugin server.
     settings: ClassVar[Mapping[str, object]] = {}
@@ -186,15 +186,15 @@ class EngineExactnessTests:
         assert st["swap_path_reason"], st
         if self.swap_path == "reload":
             assert st["swap_path"] in ("reload", "tensor"), st
-        elif self.swap_path == "arena" and st["swap_path"] != "arena":
-            pytest.skip(f"{st['engine']} cannot swap {self.family} by reference here: {st['swap_path_reason']}")
+        elif self.swap_path in ("arena", "inplace") and st["swap_path"] != self.swap_path:
+            pytest.skip(_cannot_take(st, self.family, self.swap_path))
 
     def test_every_partial_delta_serves_what_a_fresh_server_serves(
         self, chain: Chain, request: pytest.FixtureRequest
     ) -> None:
         st = status(chain.server.url)
-        if self.swap_path == "arena" and st["swap_path"] != "arena":
-            reason = f"{st['engine']} cannot swap {self.family} by reference here: {st['swap_path_reason']}"
+        if self.swap_path in ("arena", "inplace") and st["swap_path"] != self.swap_path:
+            reason = _cannot_take(st, self.family, self.swap_path)
             self._record(request, st, skipped=reason)
             pytest.skip(reason)
         for step, (what, only) in enumerate(PARTIAL_DELTAS[self.family], start=1):
@@ -209,7 +209,7 @@ class EngineExactnessTests:
             st = wait_for(chain.server.url, reached, 300)
             assert st["current_step"] == step and st["last_error"] is None, (what, st)
             verification = st.get("last_verification")
-            if st["swap_path"] in ("reload", "tensor"):  # read back with verify_swaps=always
+            if st["swap_path"] in ("reload", "tensor", "inplace"):  # read back with verify_swaps=always
                 assert verification is not None, st
                 assert verification["checks"] > 0, st  # the read-back ran (every tensor-parallel rank too)
                 assert self.read_back_may_skip or not verification.get("skipped"), st
@@ -293,3 +293,9 @@ def _numbers(value: Any) -> list[float]:
     if isinstance(value, (list, tuple)):
         return [x for v in value for x in _numbers(v)]
     return []
+
+
+def _cannot_take(st: Mapping[str, Any], family: str, path: str) -> str:
+    """Why the engine took another path than the one asked for (its status says why)."""
+    how = {"arena": "by reference", "inplace": "in place"}.get(path, f"on the {path} path")
+    return f"{st['engine']} cannot swap {family} {how} here: {st['swap_path_reason']}"

@@ -1,0 +1,135 @@
+"""The in-place swap strategy: write only the changed elements into the live parameters, with an
+undo log, on whatever device the parameters live (torch tensor ops only, CPU and CUDA alike).
+
+Before the pause (the engine still generates), an adapter computes each live parameter's
+:class:`ElementChanges` (:func:`changes_between` the live parameter and a scratch copy that the
+engine's own loader wrote the new tensors into) and keeps them next to the parameter. The pause
+then runs :func:`scatter`: it checks every change, saves the old values at those positions
+(the :class:`UndoLog`), and writes one scatter per parameter. A failure at any point puts the old
+values back, bit-exact, before it is raised; a later rollback calls :meth:`UndoLog.undo`.
+
+Memory on the parameters' device: O(changed elements) (positions, new and old values), never a
+second copy of the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import EngineError
+
+#: An integer dtype of each element size, to compare and copy elements bit for bit.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass(frozen=True)
+class ElementChanges:
+    """The elements of one live parameter that an update changes."""
+
+    #: The parameter's name in the engine's model.
+    param: str
+    #: Flat positions in the parameter (int64, on the parameter's device).
+    positions: torch.Tensor
+    #: The new values at those positions (the parameter's dtype and device).
+    values: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.positions.numel() * self.positions.element_size() + self.values.numel() * self.values.element_size()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A flat integer view of ``t`` with one element per element of ``t``."""
+    bits = _BITS.get(t.element_size())
+    if bits is None:
+        raise EngineError(f"delta_swap: cannot compare elements of {t.element_size()} bytes ({t.dtype})")
+    return t.reshape(-1).view(bits)
+
+
+def changes_between(param: str, live: torch.Tensor, new: torch.Tensor) -> ElementChanges | None:
+    """The elements where ``new`` (the engine's own loader's output, same shape and dtype as the
+    live parameter) differs bit for bit from ``live``; None when none does."""
+    if new.shape != live.shape or new.dtype != live.dtype:
+        raise EngineError(
+            f"delta_swap: {param}: the loaded copy has {new.dtype}{tuple(new.shape)}, the live "
+            f"parameter {live.dtype}{tuple(live.shape)}"
+        )
+    differs = torch.ne(_bits(new), _bits(live))
+    positions = torch.nonzero(differs).reshape(-1)
+    if not positions.numel():
+        return None
+    return ElementChanges(param, positions, new.reshape(-1)[positions].clone())
+
+
+def merge(changes: Sequence[ElementChanges]) -> ElementChanges:
+    """One parameter's changes found in several loads (q, k and v of one fused parameter)."""
+    if len(changes) == 1:
+        return changes[0]
+    positions = torch.cat([c.positions for c in changes])
+    values = torch.cat([c.values for c in changes])
+    unique, inverse = torch.unique(positions, return_inverse=True)
+    if unique.numel() != positions.numel():  # two loads wrote one element: the last one wins, as in a load
+        last = torch.empty_like(unique).scatter_(0, inverse, torch.arange(positions.numel(), device=positions.device))
+        return ElementChanges(changes[0].param, positions[last], values[last])
+    return ElementChanges(changes[0].param, positions, values)
+
+
+@dataclass
+class UndoLog:
+    """The old values at every position a :func:`scatter` wrote, to put them back."""
+
+    entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() + v.numel() * v.element_size() for _, p, v in self.entries)
+
+    def undo(self) -> None:
+        """Write the old values back (in reverse order), bit-exact."""
+        for flat, positions, old in reversed(self.entries):
+            flat.index_copy_(0, positions, old)
+        self.entries.clear()
+
+
+def _flat(param: torch.Tensor, name: str) -> torch.Tensor:
+    data = param.data if isinstance(param, torch.nn.Parameter) else param
+    if not data.is_contiguous():
+        raise EngineError(f"delta_swap: parameter {name} is not contiguous: it cannot be written in place")
+    return data.view(-1)
+
+
+def scatter(
+    params: Mapping[str, torch.Tensor],
+    changes: Sequence[ElementChanges],
+    after_each: Callable[[int], None] | None = None,
+) -> UndoLog:
+    """Write every change into ``params`` (one scatter per parameter) and return the undo log.
+
+    Everything is checked and every old value saved before the first write; if a write fails
+    (or ``after_each``, called with the number of parameters written so far, raises), what was
+    written is undone and the error raised.
+    """
+    targets = []
+    for change in changes:
+        param = params.get(change.param)
+        if param is None:
+            raise EngineError(f"delta_swap: no parameter {change.param} to write into")
+        flat = _flat(param, change.param)
+        if change.values.dtype != flat.dtype or change.values.device != flat.device:
+            raise EngineError(f"delta_swap: the changes of {change.param} are not in its dtype and device")
+        if change.positions.numel() and int(change.positions.max()) >= flat.numel():
+            raise EngineError(f"delta_swap: a change of {change.param} lies outside it")
+        targets.append((flat, change))
+    log = UndoLog([(flat, change.positions, flat[change.positions].clone()) for flat, change in targets])
+    try:
+        for done, (flat, change) in enumerate(targets, start=1):
+            flat.index_copy_(0, change.positions, change.values)
+            if after_each is not None:
+                after_each(done)
+    except BaseException:
+        log.undo()
+        raise
+    return log
