@@ -282,6 +282,7 @@ class Publisher:
             if self._pool is not None:
                 self._pool.shutdown(wait=True, cancel_futures=True)
             loop.run_until_complete(store.close())
+            loop.run_until_complete(loop.shutdown_default_executor())  # its threads end before close returns
             loop.close()
 
     async def _publish(self, store: Store, job: _Job) -> None:
