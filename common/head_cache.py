@@ -3,9 +3,10 @@
 A long-lived :class:`~.publisher.Publisher` keeps the previous step in memory; a process per
 step (``delta-swap publish``) would have to rebuild the store's head (download and decode the
 chain since its base) before it can encode a delta. With a head cache the publisher writes this
-rank's tensors to ``<folder>/<key>/head-rank-R.safetensors`` after each successful publish, where
-``key`` is a hash of the store's URL and the run, and the next publish uses them as the previous
-step instead of rebuilding. The cache is trusted for nothing: it is used only when it names the
+rank's tensors to ``<folder>/<store>/<run>/head-rank-R.safetensors`` as it publishes (``<store>``
+is a hash of the store's URL), and the next publish uses them as the previous step instead of
+rebuilding. Only the newest run of a store keeps a cache: a cache is as large as the model, and a
+save deletes the other runs' of the same store. The cache is trusted for nothing: it is used only when it names the
 store's head snapshot and every tensor it lends matches the head manifest's dtype, shape and
 checksum; anything else (a missing or damaged file, another snapshot, a changed tensor) is said in
 the log and the head is rebuilt from the store as without a cache.
@@ -18,6 +19,7 @@ import json
 import logging
 import mmap
 import os
+import shutil
 import struct
 import tempfile
 from pathlib import Path
@@ -44,8 +46,8 @@ def default_folder() -> Path:
 
 def cache_file(folder: str | os.PathLike[str], store_url: str, run_id: str | None, rank: int) -> Path:
     """The file holding rank ``rank``'s head of run ``run_id`` in the store at ``store_url``."""
-    key = hashlib.sha256(f"{store_url}\0{run_id or ''}".encode()).hexdigest()[:24]
-    return Path(folder).expanduser() / key / f"head-rank-{rank:05d}.safetensors"
+    key = hashlib.sha256(store_url.encode()).hexdigest()[:24]
+    return Path(folder).expanduser() / key / (run_id or "no-run") / f"head-rank-{rank:05d}.safetensors"
 
 
 def save(path: Path, state: StateDict, manifest_snapshot_id: str) -> None:
@@ -62,6 +64,9 @@ def save(path: Path, state: StateDict, manifest_snapshot_id: str) -> None:
         except OSError:
             pass
         raise
+    for other in path.parent.parent.iterdir():  # other runs of this store: a new run never resumes them
+        if other.is_dir() and other != path.parent:
+            shutil.rmtree(other, ignore_errors=True)
 
 
 def load(path: Path, head: Manifest, names: list[str]) -> StateDict | None:

@@ -164,3 +164,13 @@ def test_every_codec_kernel_releases_the_gil() -> None:
             if isinstance(obj, CPUDispatcher) and obj.__module__ == module.__name__:
                 kernels.append((f"{info.name}.{name}", obj.targetoptions.get("nogil")))
     assert len(kernels) > 20 and [k for k, nogil in kernels if not nogil] == []
+
+
+def test_a_new_run_replaces_the_cache_of_the_old_one(tmp_path) -> None:
+    steps = rl_steps(2)
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    _publish(store, steps[:1], head_cache=str(cache))
+    assert _cache_file(cache, store).is_file()
+    with Publisher(str(store), PublisherConfig(run_id="run-next", head_cache=str(cache))) as pub:
+        pub.publish(1, steps[1])
+    assert [p.name for p in _cache_file(cache, store).parent.parent.iterdir()] == ["run-next"]
