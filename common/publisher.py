@@ -5,8 +5,9 @@ tensors to host memory and returns; encoding and upload run on a background thre
 most ``max_pending`` steps queued (bounded memory). That thread encodes a step's tensors on
 ``encode_threads`` threads (default: every core the process may run on; the codec's kernels run
 without the GIL) and writes their payloads into the shard in the tensors' order, so the snapshot
-is the same byte for byte on any number of threads. Errors surface on the next ``publish``,
-``flush`` or ``close``.
+is the same byte for byte on any number of threads. When steps queue up, the next one is encoded
+while the previous one uploads and commits (a part is one shard, so a step's own upload starts
+after its encode). Errors surface on the next ``publish``, ``flush`` or ``close``.
 
 Several ranks may each publish their own subset of the tensors into one snapshot: every rank
 encodes and uploads its own part, and :mod:`.commit` merges the parts into the manifest. A rank
@@ -136,6 +137,29 @@ class _Job:
     metadata: dict[str, str]
 
 
+@dataclass(frozen=True)
+class _ChainState:
+    """What the encode of the next step depends on, as it was before a step changed it."""
+
+    prev_state: StateDict | None
+    prev_id: str | None
+    last_base_step: int | None
+    resumed: bool
+
+
+@dataclass
+class _Prepared:
+    """A step encoded and waiting for its upload and commit."""
+
+    job: _Job
+    snapshot_id: str
+    prev_id: str | None
+    part: Part
+    data: bytes | memoryview
+    before: _ChainState
+    run_id: str | None
+
+
 class Publisher:
     """Publishes a chain of snapshots to a store from a training loop (one instance per rank)."""
 
@@ -258,34 +282,85 @@ class Publisher:
     # ------------------------------------------------------------------ background thread
 
     def _run(self) -> None:
+        """Two stages on one event loop: while step N uploads and commits (:meth:`_finish`, a task),
+        step N+1, if it is already queued, is encoded (:meth:`_prepare`); N+1 commits only after
+        N did. A step that fails puts the chain back where it was before it and drops the step
+        encoded meanwhile, as if the steps had run one after the other."""
         loop = asyncio.new_event_loop()
         store = self._store
         every = self.config.heartbeat_every
+        in_flight: tuple[_Prepared, asyncio.Task[None]] | None = None
         try:
             while True:
                 try:
-                    job = self._queue.get(timeout=every if every > 0 else None)
+                    job = (
+                        self._queue.get_nowait() if in_flight else self._queue.get(timeout=every if every > 0 else None)
+                    )
                 except queue.Empty:
-                    if self._error is None:
+                    if in_flight:  # nothing to encode meanwhile: finish the step in flight
+                        self._settle(loop, in_flight)
+                        in_flight = None
+                    elif self._error is None:
                         loop.run_until_complete(self._heartbeat(store))
                     continue
-                try:
-                    if job is None:
-                        return
-                    if self._error is None:
-                        loop.run_until_complete(self._publish(store, job))
-                except BaseException as exc:  # surfaced to the caller
-                    self._error = exc
-                finally:
+                if job is None:
+                    if in_flight:
+                        self._settle(loop, in_flight)
+                        in_flight = None
                     self._queue.task_done()
+                    return
+                prepared = None
+                if self._error is None:
+                    saved = self._chain_state()
+                    try:
+                        prepared = loop.run_until_complete(self._prepare(store, job, saved))  # N uploads meanwhile
+                    except BaseException as exc:  # surfaced to the caller
+                        self._restore(saved)
+                        if in_flight:
+                            self._settle(loop, in_flight)
+                            in_flight = None
+                        self._error = self._error or exc
+                if in_flight:
+                    ok = self._settle(loop, in_flight)
+                    in_flight = None
+                    if not ok:
+                        prepared = None  # encoded against a step that was not published
+                if prepared is None:
+                    self._queue.task_done()
+                    continue
+                in_flight = prepared, loop.create_task(self._finish(store, prepared))
         finally:
+            if in_flight:
+                self._settle(loop, in_flight)
             if self._pool is not None:
                 self._pool.shutdown(wait=True, cancel_futures=True)
             loop.run_until_complete(store.close())
             loop.run_until_complete(loop.shutdown_default_executor())  # its threads end before close returns
             loop.close()
 
-    async def _publish(self, store: Store, job: _Job) -> None:
+    def _chain_state(self) -> _ChainState:
+        return _ChainState(self._prev_state, self._prev_id, self._last_base_step, self._resumed)
+
+    def _restore(self, saved: _ChainState) -> None:
+        self._prev_state, self._prev_id = saved.prev_state, saved.prev_id
+        self._last_base_step, self._resumed = saved.last_base_step, saved.resumed
+
+    def _settle(self, loop: asyncio.AbstractEventLoop, in_flight: tuple[_Prepared, asyncio.Task[None]]) -> bool:
+        """Wait for the step in flight; on failure record the error and put the chain back as it
+        was before that step. Marks the step done; True if it was published."""
+        prepared, task = in_flight
+        try:
+            loop.run_until_complete(task)
+            return True
+        except BaseException as exc:  # surfaced to the caller
+            self._restore(prepared.before)
+            self._error = self._error or exc
+            return False
+        finally:
+            self._queue.task_done()
+
+    async def _prepare(self, store: Store, job: _Job, before: _ChainState) -> _Prepared:
+        """Everything of a step up to its upload: resume, the base/delta decision, the encode."""
         cfg = self.config
         if not self._resumed:
             await self._resume(store, job)
@@ -293,36 +368,53 @@ class Publisher:
         snapshot_id = snapshot_id_for_step(job.step)
         await self._check_free(store, snapshot_id)
         cadence = self._last_base_step is None or job.force_base or job.step - self._last_base_step >= cfg.base_every
-        prev = self._prev_state
+        prev, prev_id = self._prev_state, self._prev_id
         must_full = cadence or prev is None or _layout_of(prev) != _layout_of(job.state)
         delta = None if must_full else await asyncio.to_thread(self._delta_part, job, snapshot_id)
+        data: bytes | memoryview
+        if delta is None:
+            part, data = await self._full_part(job, snapshot_id, prev_id)
+        else:
+            part, data = delta
+        if cadence or (cfg.world_size == 1 and part.full):
+            self._last_base_step = job.step
+        # The next step is encoded against this one while this one uploads.
+        self._prev_state, self._prev_id = job.state, snapshot_id
+        return _Prepared(job, snapshot_id, prev_id, part, data, before, self.run_id)
+
+    async def _upload(self, store: Store, part: Part, data: bytes | memoryview) -> None:
+        """Store a part's shard (one per part) and side files, before anything commits it."""
+        for shard in part.shards:
+            await store.put(store_keys.shard_key(part.snapshot_id, shard.name), data)
+        for entry in part.files:
+            await store.put(store_keys.file_key(part.snapshot_id, entry.name), self.files[entry.name])
+
+    async def _finish(self, store: Store, prepared: _Prepared) -> None:
+        """Upload and commit a prepared step, then heartbeat, notify, prune and the head cache."""
+        cfg = self.config
+        job, snapshot_id, part = prepared.job, prepared.snapshot_id, prepared.part
         # The head cache is written while the snapshot uploads and commits (it is checked against
         # the head manifest before any use, so a publish that fails after it only costs a rebuild).
         saving = None
         if cfg.head_cache is not None:
             saving = asyncio.ensure_future(
-                asyncio.to_thread(self._save_head, store, job.state, snapshot_id, self.run_id)
+                asyncio.to_thread(self._save_head, store, job.state, snapshot_id, prepared.run_id)
             )
+        committed: Manifest | None = None
         try:
-            if delta is None:
-                part = await self._full_part(store, job, snapshot_id)
-            else:
-                part, data = delta
-                for shard in part.shards:
-                    await store.put(store_keys.shard_key(snapshot_id, shard.name), data)
-            if cadence or (cfg.world_size == 1 and part.full):
-                self._last_base_step = job.step
+            await self._upload(store, part, prepared.data)
             sign, trusted = self.signing_key, self.trusted
             if cfg.world_size == 1:
                 try:
-                    committed: Manifest | None = await commit(store, [part], sign, cfg.max_step_jump, trusted)
+                    committed = await commit(store, [part], sign, cfg.max_step_jump, trusted)
                 except ChainError as exc:
                     if part.full or sign is None:
                         raise
                     # The predecessor was deleted or replaced by something unsigned: start again from a base.
                     log.warning("delta-swap: cannot publish %s as a delta (%s); publishing a base", snapshot_id, exc)
-                    part = await self._full_part(store, job, snapshot_id)
-                    self._last_base_step = job.step
+                    part, data = await self._full_part(job, snapshot_id, prepared.prev_id)
+                    await self._upload(store, part, data)
+                    self._last_base_step = max(job.step, self._last_base_step or job.step)
                     committed = await commit(store, [part], sign, cfg.max_step_jump, trusted)
             else:
                 await write_part(store, part, sign)
@@ -334,7 +426,6 @@ class Publisher:
                 await notify(cfg.notify_urls, committed, token=self._notify_token)
             if committed is not None and cfg.keep_bases and committed.kind is SnapshotKind.BASE:
                 await prune(store, cfg.keep_bases, ChainReader(store, trusted))
-            self._prev_state, self._prev_id = job.state, snapshot_id
             self.published.append(snapshot_id)
         finally:
             if saving is not None:
@@ -528,7 +619,8 @@ class Publisher:
         except OSError as exc:
             log.warning("delta-swap: cannot write the head cache %s: %s", path, exc)
 
-    async def _full_part(self, store: Store, job: _Job, snapshot_id: str) -> Part:
+    async def _full_part(self, job: _Job, snapshot_id: str, prev_id: str | None) -> tuple[Part, memoryview]:
+        """This rank's tensors as one safetensors shard, with rank 0's side files (not uploaded)."""
         cfg = self.config
         shard = store_keys.shard_name(cfg.rank, cfg.world_size, Encoding.RAW)
         buf = io.BytesIO()
@@ -543,26 +635,25 @@ class Publisher:
             for (name, t), digest in zip(items, digests)
         ]
         shard_entry = await asyncio.to_thread(lambda: BlobEntry(shard, len(data), checksum(data), sha256(data)))
-        await store.put(store_keys.shard_key(snapshot_id, shard), data)
         self._progress(sum(t.nbytes for t in job.state.values()))
         files = []
         if cfg.rank == 0:
             for name, content in sorted(self.files.items()):
-                await store.put(store_keys.file_key(snapshot_id, name), content)
                 files.append(BlobEntry(name, len(content), checksum(content), sha256(content)))
-        return Part(
+        part = Part(
             snapshot_id,
             job.step,
             cfg.rank,
             cfg.world_size,
             True,
-            self._prev_id,
+            prev_id,
             entries,
             [shard_entry],
             files,
             job.metadata,
             self.run_id,
         )
+        return part, data
 
 
 def allowed_cores() -> int:

@@ -4,6 +4,7 @@ rebuild, never change what is published."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -14,7 +15,7 @@ import torch
 
 from delta_swap import head_cache
 from delta_swap.chain import ChainReader
-from delta_swap.errors import ConfigError
+from delta_swap.errors import ConfigError, PublishError, StoreError
 from delta_swap.publisher import Publisher, PublisherConfig, allowed_cores
 from delta_swap.rebuild import rebuild
 from delta_swap.safetensors_io import parse_header
@@ -174,3 +175,62 @@ def test_a_new_run_replaces_the_cache_of_the_old_one(tmp_path) -> None:
     with Publisher(str(store), PublisherConfig(run_id="run-next", head_cache=str(cache))) as pub:
         pub.publish(1, steps[1])
     assert [p.name for p in _cache_file(cache, store).parent.parent.iterdir()] == ["run-next"]
+
+
+# ---------------------------------------------------------------------- upload overlapping the encode
+
+
+class _SlowShards(FileStore):
+    """A file store whose shard uploads take a while (and may fail once, for one snapshot)."""
+
+    def __init__(self, root, fail: str | None = None) -> None:
+        super().__init__(root)
+        self.uploading = 0
+        self.fail = fail
+
+    async def put(self, key, data) -> None:
+        if "/shard-" not in key:
+            return await super().put(key, data)
+        self.uploading += 1
+        try:
+            await asyncio.sleep(0.3)
+            if self.fail and f"/{self.fail}/" in key:
+                self.fail = None
+                raise StoreError(f"refused {key}")
+            await super().put(key, data)
+        finally:
+            self.uploading -= 1
+
+
+async def test_the_next_step_encodes_while_a_step_uploads(tmp_path) -> None:
+    steps = rl_steps(5, shapes=SHAPES)
+    store = _SlowShards(tmp_path)
+    encoded_meanwhile = []
+    pub = Publisher(
+        store, PublisherConfig(run_id=RUN, max_pending=4), progress=lambda n: encoded_meanwhile.append(store.uploading)
+    )
+    with pub:
+        for i, state in enumerate(steps):
+            pub.publish(i, state)
+    assert any(encoded_meanwhile)  # some tensors were encoded while a shard was uploading
+    assert pub.published == [f"step-{i:010d}" for i in range(5)]
+    manifests = await ChainReader(FileStore(tmp_path)).list()
+    assert [m.kind for m in manifests] == ["base"] + ["delta"] * 4
+    for i, expected in enumerate(steps):
+        assert_state_equal((await rebuild(FileStore(tmp_path), f"step-{i:010d}"))[1], expected)
+
+
+async def test_a_failed_upload_drops_the_step_encoded_meanwhile_and_the_chain_goes_on(tmp_path) -> None:
+    steps = rl_steps(5, shapes=SHAPES)
+    store = _SlowShards(tmp_path, fail="step-0000000002")
+    pub = Publisher(store, PublisherConfig(run_id=RUN, max_pending=4))
+    for i in range(4):
+        pub.publish(i, steps[i])
+    with pytest.raises(PublishError, match="refused"):
+        pub.flush()
+    pub.publish(4, steps[4])  # a delta against step 1, the last one published
+    pub.close()
+    manifests = await ChainReader(FileStore(tmp_path)).list()
+    assert [m.snapshot_id for m in manifests] == ["step-0000000000", "step-0000000001", "step-0000000004"]
+    assert manifests[-1].kind == "delta" and manifests[-1].prev_snapshot_id == "step-0000000001"
+    assert_state_equal((await rebuild(FileStore(tmp_path)))[1], steps[4])
