@@ -10,7 +10,8 @@ benchmarks/rl_corpus.py). Step 0 is published as a base (not timed); each later 
 
 * library: ``Publisher.publish`` + ``flush`` (the host copy, encode, upload to a file:// store and
   commit), once per ``encode_threads`` value, each in a process of its own so that its peak RSS
-  (``VmHWM``) is its own;
+  (``VmHWM``) is its own; then "queued": every step published at once and flushed at the end (a
+  trainer ahead of its publisher), so that the next step encodes while the previous one uploads;
 * cli: ``python -m delta_swap.cli publish <checkpoint folder>`` per step, a process each (Python
   start, imports, reading the folder, the head, encode, upload, commit), with ``--no-head-cache``
   (the head is rebuilt from the store every step) and with a head cache.
@@ -109,8 +110,12 @@ _CLI_WRAPPER = (
 )
 
 
-def measure_library(shapes: dict, steps: int, threads: int, lr: float, work: Path) -> dict:
-    """Seconds per delta step of ``Publisher`` on ``threads`` encode threads, payload bytes, RSS."""
+def measure_library(shapes: dict, steps: int, threads: int, lr: float, work: Path, queued: bool = False) -> dict:
+    """Seconds per delta step of ``Publisher`` on ``threads`` encode threads, payload bytes, RSS.
+    Each step is flushed before the next, or with ``queued`` every step is published at once
+    (made beforehand) and flushed at the end: the next step then encodes while one uploads."""
+    if queued:
+        return _measure_queued(shapes, steps, threads, lr, work)
     from delta_swap.publisher import Publisher, PublisherConfig
 
     store = work / f"library-{threads}"
@@ -137,6 +142,43 @@ def measure_library(shapes: dict, steps: int, threads: int, lr: float, work: Pat
         "seconds": seconds,
         "payload_bytes": payload,
         "model_bytes": pub.last_manifest.model_bytes,
+        "rss_before_mb": rss_before,
+        "peak_rss_mb": _peak_rss_mb(),
+    }
+
+
+def _measure_queued(shapes: dict, steps: int, threads: int, lr: float, work: Path) -> dict:
+    import asyncio
+
+    from delta_swap.chain import ChainReader
+    from delta_swap.publisher import Publisher, PublisherConfig
+    from delta_swap.stores import FileStore
+
+    store = work / f"library-queued-{threads}"
+    shutil.rmtree(store, ignore_errors=True)
+    trainer = SyntheticTrainer(shapes, lr)
+    config = PublisherConfig(base_every=10_000, encode_threads=threads, max_pending=steps)
+    with Publisher(str(store), config) as pub:
+        pub.publish(0, trainer.state())
+        pub.flush()
+        states = []
+        for _ in range(steps):
+            trainer.advance()
+            states.append(trainer.state())
+        rss_before = _rss_mb()
+        start = time.perf_counter()
+        for step, state in enumerate(states, 1):
+            pub.publish(step, state)
+        pub.flush()
+        total = time.perf_counter() - start
+    manifests = asyncio.run(ChainReader(FileStore(store)).list())[1:]
+    assert [m.kind for m in manifests] == ["delta"] * steps
+    return {
+        "mode": "library, queued",
+        "threads": threads,
+        "seconds": [total / steps] * steps,
+        "payload_bytes": [m.payload_bytes for m in manifests],
+        "model_bytes": manifests[-1].model_bytes,
         "rss_before_mb": rss_before,
         "peak_rss_mb": _peak_rss_mb(),
     }
@@ -287,11 +329,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", help="encode threads to compare (default: 1 and all cores)")
     parser.add_argument("--workdir")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)  # one library run, as JSON
+    parser.add_argument("--queued", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     shapes = model_shapes(args.layers)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="delta-swap-parallel-"))
     if args.child is not None:
-        print(json.dumps(measure_library(shapes, args.steps, args.child, args.lr, work)))
+        print(json.dumps(measure_library(shapes, args.steps, args.child, args.lr, work, args.queued)))
         return
     for line in machine():
         print(line)
@@ -306,8 +349,16 @@ def main() -> None:
         flush=True,
     )
     rows = []
-    for threads in args.threads or sorted({1, _cores()}):
-        cmd = [sys.executable, "-m", "benchmarks.publish_parallel", "--child", str(threads)]
+    runs = [(threads, False) for threads in args.threads or sorted({1, _cores()})] + [(_cores(), True)]
+    for threads, queued in runs:
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks.publish_parallel",
+            "--child",
+            str(threads),
+            *(["--queued"] if queued else []),
+        ]
         cmd += ["--layers", str(args.layers), "--steps", str(args.steps), "--lr", str(args.lr), "--workdir", str(work)]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=3600).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
