@@ -23,6 +23,13 @@ def _freshness_records_apart(tmp_path_factory, monkeypatch) -> None:
     monkeypatch.setattr(freshness, "record_path", lambda staging_dir, store_url: original(folder, store_url))
 
 
+@pytest.fixture(autouse=True)
+def _head_cache_apart(tmp_path_factory, monkeypatch) -> None:
+    """``delta-swap publish`` keeps a copy of the tensors it published (``delta_swap.head_cache``);
+    in tests that copy goes to a folder of the test's own, not the user's ~/.cache."""
+    monkeypatch.setenv("DELTA_SWAP_HEAD_CACHE", str(tmp_path_factory.mktemp("heads")))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _codec_kernels_compiled() -> None:
     """Compile (or load from numba's disk cache) codec v2's kernels once per session, before the

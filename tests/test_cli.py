@@ -20,12 +20,6 @@ def _run(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
     return proc
 
 
-@pytest.fixture(autouse=True)
-def _head_cache(tmp_path, monkeypatch) -> None:
-    """Every publish keeps its head cache in the test's folder, not the user's."""
-    monkeypatch.setenv("DELTA_SWAP_HEAD_CACHE", str(tmp_path / "heads"))
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     from examples.tiny_model import make_tiny_model, perturb_weights
