@@ -2,14 +2,19 @@
 the engine's own full reload of the same weights, and a restart, on vLLM and SGLang (CPU).
 
     python -m benchmarks.swap_window [--engines vllm sglang] [--sizes 25M 60M 100M 160M 350M] [--updates 5]
+                                     [--swap-paths auto inplace arena reload] [--no-restart]
 
 For each engine and size: a server follows a store while a trainer publishes RL-sized updates
 (2% of elements moved by 1-3 ULP); delta-swap's window is the server's pause + swap + resume time
 of each update. In the same server the engine then reloads the same weights itself (vLLM:
 ``reload_weights`` from a folder, its layerwise reload; SGLang: ``update_weights_from_disk``),
 which blocks generation for its whole duration. Last, a fresh server is started on the model.
-Prints a table (medians) with the window / reload ratio and writes docs/swap_window.png and a
-JSON of every measurement. Also records each update's publish-to-serving latency.
+Each ``--swap-paths`` entry is a server of its own (``Settings.swap_path``; the status says which
+path it took and why, e.g. ``auto`` takes ``reload`` where vLLM repacked its weights for AMX or
+AVX512-BF16). Prints the CPU flags that decide the path, then a table (medians) with the stage
+(before the pause), each phase of the window, the window / reload ratio, and writes
+docs/swap_window.png and a JSON of every measurement. Also records each update's
+publish-to-serving latency.
 """
 
 from __future__ import annotations
@@ -39,13 +44,37 @@ WINDOW_PHASES = ("pause", "swap", "resume")
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
-def measure(engine: str, size: str, work: Path, updates: int) -> dict:
-    model = make_model(work / "models", size)
-    run = work / f"{engine}-{size}"
-    trainer = Trainer(model, run / "store")
-    rows: dict = {"engine": engine, "size": size, "model_bytes": model_bytes(model), "updates": []}
+def cpu_flags() -> str:
+    """The CPU flags that decide the engines' CPU weight layout, from ``/proc/cpuinfo``."""
     try:
-        with engine_server(engine, model, run / "server", store=run / "store") as server:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown CPU"
+    flags: set[str] = set()
+    model = "?"
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.partition(":")[2].split())
+        elif line.startswith("model name"):
+            model = line.partition(":")[2].strip()
+    return f"{model}; " + " ".join(f"{f}={'yes' if f in flags else 'no'}" for f in ("amx_bf16", "avx512_bf16"))
+
+
+def measure(engine: str, size: str, work: Path, updates: int, swap_path: str = "auto", restart: bool = True) -> dict:
+    model = make_model(work / "models", size)
+    run = work / f"{engine}-{size}-{swap_path}"
+    trainer = Trainer(model, run / "store")
+    rows: dict = {
+        "engine": engine,
+        "size": size,
+        "asked": swap_path,
+        "model_bytes": model_bytes(model),
+        "updates": [],
+    }
+    try:
+        with engine_server(
+            engine, model, run / "server", store=run / "store", settings={"swap_path": swap_path}
+        ) as server:
             wait_ready(server.url)
             for _ in range(updates):
                 trainer.advance()  # the synthetic training step is not part of the latency
@@ -62,28 +91,36 @@ def measure(engine: str, size: str, work: Path, updates: int) -> dict:
                     }
                 )
             rows["swap_path"] = status(server.url).get("swap_path")
+            rows["swap_path_reason"] = status(server.url).get("swap_path_reason")
             folder = trainer.write_checkpoint(run / "checkpoint")
             version = status(server.url)["current_snapshot_id"]
             rows["reload_s"] = [engine_reload(engine, server.url, folder, version) for _ in range(updates)]
     finally:
         trainer.close()
-    rows["restart_s"] = restart_time(engine, model, run / "restart")
+    rows["restart_s"] = restart_time(engine, model, run / "restart") if restart else None
     return rows
+
+
+def _median_phase(r: dict, phase: str) -> float:
+    return statistics.median(u["timings"].get(phase, 0.0) for u in r["updates"])
 
 
 def summarize(rows: list[dict]) -> list[str]:
     lines = [
-        f"{'engine':<7} {'size':>5} {'model MB':>9} {'path':>7} {'delta-swap window ms':>21} "
-        f"{'engine reload ms':>17} {'ratio':>6} {'restart s':>10} {'publish->serving s':>19}"
+        f"{'engine':<7} {'size':>5} {'model MB':>9} {'asked':>7} {'path':>7} {'stage ms':>9} {'pause':>6} "
+        f"{'swap':>7} {'resume':>6} {'window ms':>10} {'engine reload ms':>17} {'ratio':>6} {'restart s':>10} "
+        f"{'publish->serving s':>19}"
     ]
     for r in rows:
         window = statistics.median(u["window_s"] for u in r["updates"])
         reload = statistics.median(r["reload_s"])
         latency = statistics.median(u["publish_to_serving_s"] for u in r["updates"])
+        restart = "-" if r.get("restart_s") is None else f"{r['restart_s']:.1f}"
+        phases = [1000 * _median_phase(r, p) for p in ("stage", "pause", "swap", "resume")]
         lines.append(
-            f"{r['engine']:<7} {r['size']:>5} {r['model_bytes'] / 1e6:>9.0f} {r.get('swap_path') or '-':>7} "
-            f"{1000 * window:>21.1f} {1000 * reload:>17.1f} {window / reload:>6.2f} {r['restart_s']:>10.1f} "
-            f"{latency:>19.2f}"
+            f"{r['engine']:<7} {r['size']:>5} {r['model_bytes'] / 1e6:>9.0f} {r.get('asked', 'auto'):>7} "
+            f"{r.get('swap_path') or '-':>7} {phases[0]:>9.1f} {phases[1]:>6.1f} {phases[2]:>7.1f} {phases[3]:>6.1f} "
+            f"{1000 * window:>10.1f} {1000 * reload:>17.1f} {window / reload:>6.3f} {restart:>10} {latency:>19.2f}"
         )
     return lines
 
@@ -96,30 +133,37 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     colors = {"vllm": "tab:blue", "sglang": "tab:orange"}
-    for engine in sorted({r["engine"] for r in rows}):
-        mine = sorted((r for r in rows if r["engine"] == engine), key=lambda r: r["model_bytes"])
+    styles = iter(["o-", "D-", "v-", "P-"] * 4)
+    for engine, asked in sorted({(r["engine"], r.get("asked", "auto")) for r in rows}):
+        mine = sorted(
+            (r for r in rows if r["engine"] == engine and r.get("asked", "auto") == asked),
+            key=lambda r: r["model_bytes"],
+        )
+        taken = "/".join(sorted({str(r.get("swap_path")) for r in mine}))
         x = [r["model_bytes"] / 1e6 for r in mine]
         ax.plot(
             x,
             [statistics.median(u["window_s"] for u in r["updates"]) for r in mine],
-            "o-",
+            next(styles),
             color=colors[engine],
-            label=f"{engine}: delta-swap (pause + swap)",
+            label=f"{engine}: delta-swap, {taken} path (pause + swap)",
         )
         ax.plot(
             x,
             [statistics.median(r["reload_s"]) for r in mine],
             "s--",
             color=colors[engine],
-            label=f"{engine}: engine's own reload",
+            label=f"{engine}: engine's own reload ({taken} server)",
         )
-        ax.plot(x, [r["restart_s"] for r in mine], "^:", color=colors[engine], alpha=0.6, label=f"{engine}: restart")
+        restarts = [(xi, r["restart_s"]) for xi, r in zip(x, mine, strict=True) if r.get("restart_s") is not None]
+        if restarts:
+            ax.plot(*zip(*restarts, strict=True), "^:", color=colors[engine], alpha=0.6, label=f"{engine}: restart")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("model size (MB of bf16 weights)")
     ax.set_ylabel("seconds without generation per update")
     where = "CPU, 2 cores" if device() == "cpu" else "one GPU"
-    ax.set_title(f"No-generation window per update ({where}; 2% of elements change per step)")
+    ax.set_title(f"No-generation window per update ({where}; 2% of elements change per step)", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -131,16 +175,28 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", default=["vllm", "sglang"], choices=["vllm", "sglang"])
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--updates", type=int, default=5)
+    parser.add_argument(
+        "--swap-paths",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "inplace", "arena", "reload"],
+        help="one server each",
+    )
+    parser.add_argument("--no-restart", action="store_true", help="skip timing a fresh server's start")
     parser.add_argument("--workdir", help="models and stores (default: a temp dir; models are cached there)")
     parser.add_argument("--json", default=str(DOCS / "swap_window.json"))
     parser.add_argument("--plot", default=str(DOCS / "swap_window.png"))
     args = parser.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="delta-swap-window-"))
     rows = []
+    print(f"CPU: {cpu_flags()}; device: {device()}", flush=True)
+    print(summarize([])[0], flush=True)
     for engine in args.engines:
         for size in args.sizes:
-            rows.append(measure(engine, size, work, args.updates))
-            print("\n".join(summarize(rows[-1:])[1:]), flush=True)
+            for swap_path in args.swap_paths:
+                rows.append(measure(engine, size, work, args.updates, swap_path, restart=not args.no_restart))
+                print("\n".join(summarize(rows[-1:])[1:]), f"({rows[-1].get('swap_path_reason')})", flush=True)
+    print(f"CPU: {cpu_flags()}; device: {device()}")
     print("\n".join(summarize(rows)))
     Path(args.json).write_text(json.dumps(rows, indent=1))
     plot(rows, Path(args.plot))

@@ -1,9 +1,10 @@
 """The in-place swap strategy: write only the changed elements into the live parameters, with an
 undo log, on whatever device the parameters live (torch tensor ops only, CPU and CUDA alike).
 
-Before the pause (the engine still generates), an adapter computes each live parameter's
-:class:`ElementChanges` (:func:`changes_between` the live parameter and a scratch copy that the
-engine's own loader wrote the new tensors into) and keeps them next to the parameter. The pause
+Before the pause (the engine still generates), the engine's process computes each live
+parameter's :class:`ElementChanges` (:func:`element_changes`: the new tensors go through the
+model's own loaders into scratch copies, each compared with its live parameter) and keeps them next
+to the parameter. The pause
 then runs :func:`scatter`: it checks every change, saves the old values at those positions
 (the :class:`UndoLog`), and writes one scatter per parameter. A failure at any point puts the old
 values back, bit-exact, before it is raised; a later rollback calls :meth:`UndoLog.undo`.
@@ -14,12 +15,15 @@ second copy of the model.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import functools
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from .errors import EngineError
+from .module_groups import module_of
 
 #: An integer dtype of each element size, to compare and copy elements bit for bit.
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -133,3 +137,117 @@ def scatter(
         log.undo()
         raise
     return log
+
+
+_MISSING = object()
+
+
+def element_changes(
+    model: torch.nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    packed: Mapping[str, Sequence[str]],
+    default_loader: Callable[..., Any],
+) -> tuple[list[ElementChanges], set[str]]:
+    """(the changes ``weights`` make to ``model``'s live parameters, one per parameter; the names
+    no loader received), worked out by the engine itself.
+
+    The new tensors go through the model's own ``load_weights`` (its name mapping, fused q/k/v and
+    gate/up shard ids, expert ids, vocabulary padding, tied embeddings) and each parameter's own
+    ``weight_loader`` (``default_loader`` where it has none; a tensor-parallel rank's shard), but
+    every loader writes into a scratch copy of its parameter: the live model does not change. Each
+    scratch is compared with its live parameter one module at a time (memory: the largest module's
+    parameters). A name no loader received is one the engine ignores, as a fresh server would (a
+    tied ``lm_head.weight``). vLLM and SGLang models both load this way."""
+    groups: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in weights:
+        groups.setdefault(module_of(name, packed), []).append((name, tensor))
+    params = dict(model.named_parameters())
+    changes: list[ElementChanges] = []
+    ignored: set[str] = set()
+    for group in groups.values():
+        found, received = _load_into_scratch(model, params, group, default_loader)
+        changes.extend(found)
+        ignored.update(name for name, _ in group if name not in received)
+    return _merged(changes), ignored
+
+
+def _load_into_scratch(
+    model: torch.nn.Module,
+    params: Mapping[str, torch.nn.Parameter],
+    group: Sequence[tuple[str, torch.Tensor]],
+    default_loader: Callable[..., Any],
+) -> tuple[list[ElementChanges], set[str]]:
+    """Load one module's tensors through the model into scratch copies of its parameters."""
+    scratch: dict[str, torch.Tensor] = {}
+    received: set[str] = set()
+    current: list[str] = []
+    restore: list[Callable[[], None]] = []
+
+    def recorder(param_name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def load(*args: Any, **kwargs: Any) -> Any:  # (param, loaded_weight, ...), some as keywords
+            param = kwargs["param"] if "param" in kwargs else args[0]
+            copy = scratch.get(param_name)
+            if copy is None:
+                copy = scratch[param_name] = _scratch_of(param)
+            received.add(current[0])
+            if "param" in kwargs:
+                return original(*args, **{**kwargs, "param": copy})
+            return original(copy, *args[1:], **kwargs)
+
+        return load
+
+    try:
+        for name, param in params.items():
+            restore.append(_replace_loader(param, functools.partial(recorder, name), default_loader))
+        load_weights: Any = model.load_weights  # a vLLM model's; torch types it Tensor | Module
+        for name, tensor in group:  # one at a time, to know which name each loader call came from
+            current[:] = [name]
+            load_weights(iter([(name, tensor)]))
+    finally:
+        for undo in reversed(restore):
+            undo()
+    changes = []
+    for param_name, copy in scratch.items():
+        live = params[param_name].data
+        if not live.is_contiguous():
+            raise EngineError(f"delta_swap: parameter {param_name} is not a plain tensor")
+        found = changes_between(param_name, live, copy.data)
+        if found is not None:
+            changes.append(found)
+    return changes, received
+
+
+def _scratch_of(param: torch.Tensor) -> torch.Tensor:
+    """A copy of ``param`` with its class and attributes, so its loader treats it as the parameter."""
+    data = param.data.clone()
+    data.__class__ = param.__class__
+    data.__dict__ = param.__dict__.copy()
+    return data
+
+
+def _replace_loader(
+    param: torch.Tensor, wrap: Callable[[Callable[..., Any]], Callable[..., Any]], default_loader: Callable[..., Any]
+) -> Callable[[], None]:
+    """Put ``wrap(original loader)`` in place of the parameter's weight loader; returns the undo."""
+    if isinstance(getattr(type(param), "weight_loader", None), property):  # the engines' parameter classes
+        old = param._weight_loader  # type: ignore[attr-defined]
+        param._weight_loader = wrap(old)  # type: ignore[attr-defined]
+        return lambda: setattr(param, "_weight_loader", old)
+    old_attr = param.__dict__.get("weight_loader", _MISSING)
+    param.weight_loader = wrap(default_loader if old_attr is _MISSING else old_attr)  # type: ignore[attr-defined]
+
+    def undo() -> None:
+        if old_attr is _MISSING:
+            del param.weight_loader  # type: ignore[attr-defined]
+        else:
+            param.weight_loader = old_attr  # type: ignore[attr-defined]
+
+    return undo
+
+
+def _merged(changes: Iterable[ElementChanges]) -> list[ElementChanges]:
+    """One :class:`ElementChanges` per parameter."""
+    by_param: dict[str, list[ElementChanges]] = {}
+    for change in changes:
+        by_param.setdefault(change.param, []).append(change)
+    return [merge(parts) for parts in by_param.values()]

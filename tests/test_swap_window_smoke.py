@@ -1,5 +1,5 @@
 """A CI-sized run of the swap-window benchmark (benchmarks/swap_window.py, figure 1) on vLLM: the
-3M model, two RL-sized updates, the engine's own reload of the same weights twice, and a restart,
+3M model on the in-place path, two RL-sized updates, the engine's own reload of the same weights twice, and a restart,
 then the table and the plot, as ``python -m benchmarks.swap_window`` makes them.
 
 It checks what the figure claims, not this machine's speed: every update was served, its window is
@@ -18,11 +18,12 @@ pytestmark = pytest.mark.engine
 
 @pytest.fixture(scope="module")
 def row(tmp_path_factory) -> dict:
-    return swap_window.measure("vllm", "3M", tmp_path_factory.mktemp("window"), updates=2)
+    return swap_window.measure("vllm", "3M", tmp_path_factory.mktemp("window"), updates=2, swap_path="inplace")
 
 
 def test_every_update_is_timed_from_the_servers_own_phases(row) -> None:
-    assert row["engine"] == "vllm" and row["model_bytes"] > 1_000_000 and row["swap_path"] in ("arena", "reload")
+    assert row["engine"] == "vllm" and row["model_bytes"] > 1_000_000 and row["asked"] == "inplace"
+    assert row["swap_path"] == "inplace", row["swap_path_reason"]  # vLLM keeps plain weights when asked, on any CPU
     assert len(row["updates"]) == 2
     for update in row["updates"]:
         timings = update["timings"]
@@ -38,6 +39,11 @@ def test_an_update_stops_generation_far_less_than_a_restart(row) -> None:
 
 def test_the_table_and_the_plot(row, tmp_path) -> None:
     header, line = swap_window.summarize([row])
-    assert "window" in header and line.split()[:2] == ["vllm", "3M"]
+    assert (
+        "window" in header
+        and "stage" in header
+        and line.split()[:5] == ["vllm", "3M", line.split()[2], "inplace", "inplace"]
+    )
+    assert swap_window.cpu_flags().count("=") == 2
     swap_window.plot([row], tmp_path / "window.png")
     assert (tmp_path / "window.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

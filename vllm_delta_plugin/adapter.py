@@ -247,20 +247,31 @@ class VllmAdapter(EngineAdapter):
         await asyncio.to_thread(write)
         staged = StagedFile(path, names, check_path, check, verify, inplace=self.inplace)
         if self.inplace:
-            output = path + ".staged.json"
             try:
-                await self._call({"op": "stage_inplace", "path": path, "names": names, "output": output})
+                await self._stage_inplace(path, names)
             except BaseException:
                 await self.unstage(staged)
                 raise
-            finally:
-                answers = read_worker_results(output)
-            self.last_staged = {
-                "elements": sum(a["elements"] for a in answers),
-                "bytes": max((a["bytes"] for a in answers), default=0),
-                "seconds": max((a["seconds"] for a in answers), default=0.0),
-            }
         return staged
+
+    async def _stage_inplace(self, path: str, names: list[str]) -> None:
+        """Have every worker work out the changed elements of its parameters (on a thread of its
+        own: the engine generates meanwhile), and wait until all have."""
+        await self._call({"op": "stage_inplace", "path": path, "names": names})
+        output = path + ".staged.json"
+        while True:
+            try:
+                await self._call({"op": "stage_wait", "output": output})
+            finally:
+                answers = read_worker_results(output)  # raises a worker's error
+            if answers and all(a["done"] for a in answers):
+                break
+            await asyncio.sleep(STAGE_POLL_S)
+        self.last_staged = {
+            "elements": sum(a["elements"] for a in answers),
+            "bytes": max(a["bytes"] for a in answers),
+            "seconds": max(a["seconds"] for a in answers),
+        }
 
     async def unstage(self, staged: StagedFile | Arena) -> None:
         if isinstance(staged, StagedFile):
@@ -374,6 +385,9 @@ class VllmAdapter(EngineAdapter):
         if await self.engine.is_paused():
             await self.engine.resume_generation()
 
+
+#: How often the API server asks the workers whether they have staged an in-place update.
+STAGE_POLL_S = 0.01
 
 #: Tests only: while this file exists and holds N, every in-place swap fails after writing N parameters.
 FAIL_SCATTER_ENV = "DELTA_SWAP_TEST_FAIL_SCATTER"

@@ -62,4 +62,6 @@ def keep_plain_cpu_weights() -> None:
 
     dispatch_plain._delta_swap = True  # type: ignore[attr-defined]
     utils.dispatch_cpu_unquantized_gemm = dispatch_plain
-    log.info("delta_swap: DELTA_SWAP_SWAP_PATH=arena/inplace: CPU linear layers keep plain weights (no oneDNN/AMX repack)")
+    log.info(
+        "delta_swap: DELTA_SWAP_SWAP_PATH=arena/inplace: CPU linear layers keep plain weights (no oneDNN/AMX repack)"
+    )

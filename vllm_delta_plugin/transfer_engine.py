@@ -9,11 +9,12 @@
 * ``load`` with ``verify_path``: also finish the reload and read back, in the same call, what the
   reloaded modules now compute with against that file's tensors (:mod:`delta_swap.readback`; each
   tensor-parallel rank against its own shard of them, :mod:`.readback_shards`);
-* ``stage_inplace`` / ``scatter`` / ``drop_inplace``: the in-place path (``swap_path=inplace``,
-  where every parameter is a plain tensor holding the checkpoint's values as the engine's loaders
-  place them): while the engine generates, ``stage_inplace`` works out each parameter's changed
-  elements through the model's own loaders (:mod:`.inplace_changes`) and keeps them next to the
-  parameters; in the pause ``scatter`` writes them with an undo log (:mod:`delta_swap.inplace`),
+* ``stage_inplace`` / ``stage_wait`` / ``scatter`` / ``drop_inplace``: the in-place path
+  (``swap_path=inplace``, where every parameter is a plain tensor holding the checkpoint's values
+  as the engine's loaders place them): ``stage_inplace`` starts working out each parameter's
+  changed elements through the model's own loaders (:func:`delta_swap.inplace.element_changes`)
+  on a thread of the worker, so the engine keeps generating, and ``stage_wait`` answers whether
+  that is done; in the pause ``scatter`` writes them with an undo log (:mod:`delta_swap.inplace`),
   reads the changed modules back if asked, and undoes everything on any failure;
 * ``load`` (default): load the tensors of a staged safetensors file or checkpoint folder through
   vLLM's layerwise reload, which works after CPU (oneDNN, AMX) or GPU post-load processing has
@@ -32,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,12 +46,13 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 from delta_swap.arena import Arena, ArenaLayout
 from delta_swap.checkpoint_dir import read_checkpoint_dir
 from delta_swap.dtypes import from_torch_dtype
 from delta_swap.errors import ChecksumMismatchError, IncompatibleSnapshotError
-from delta_swap.inplace import ElementChanges, UndoLog, scatter
+from delta_swap.inplace import ElementChanges, UndoLog, element_changes, scatter
 from delta_swap.module_groups import complete_modules, module_groups, module_of
 from delta_swap.readback import modules_sharing_parameters_with as _modules_sharing_parameters_with
 from delta_swap.readback import verify_modules
@@ -57,7 +60,6 @@ from delta_swap.served_model import ServedModel
 from delta_swap.settings import Settings, SwapPath
 from delta_swap.torch_params import check_matches, plan_layout, point_parameters
 
-from .inplace_changes import element_changes, merged
 from .readback_shards import local_shards
 from .worker_results import write_worker_result
 
@@ -116,8 +118,10 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         self._active = False
         self._layout: ArenaLayout | None = None
         self._arenas: dict[str, Arena] = {}
-        #: The in-place path: the staged changes, and the undo log of the last scatter.
-        self._changes: list[ElementChanges] = []
+        #: The in-place path: the changes being staged (a thread of this worker works them out
+        #: while the engine generates), and the undo log of the last scatter.
+        self._staging: Future[tuple[list[ElementChanges], float]] | None = None
+        self._stager = ThreadPoolExecutor(1, thread_name_prefix="delta-swap-stage")
         self._undo: UndoLog | None = None
 
     def init_transfer_engine(self, init_info: DeltaSwapInitInfo) -> None:
@@ -142,8 +146,10 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             self._stage_inplace(update_info)
         elif update_info.op == "scatter":
             self._scatter(update_info)
+        elif update_info.op == "stage_wait":
+            self._stage_wait(update_info.output)
         elif update_info.op == "drop_inplace":
-            self._changes, self._undo = [], None
+            self._drop_inplace()
         else:
             raise ValueError(f"delta_swap: unknown operation {update_info.op!r}")
 
@@ -192,7 +198,7 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         weights = _read_tensors(self._served.checkpoint_dir, set())
         try:
             with set_current_vllm_config(self.vllm_config), torch.inference_mode():
-                changes, _ignored = element_changes(self.model, weights, self._packed)
+                changes, _ignored = element_changes(self.model, weights, self._packed, default_weight_loader)
         except Exception as exc:
             return False, f"cannot map the checkpoint onto the parameters: {type(exc).__name__}: {exc}"
         if changes:
@@ -204,24 +210,48 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         return True, "parameters are plain tensors holding the checkpoint's elements"
 
     def _stage_inplace(self, update_info: DeltaSwapUpdateInfo) -> None:
-        """Work out, through the model's own loaders, which elements of this rank's parameters the
-        staged tensors change, and keep them (positions, new values) next to the parameters."""
-        started = time.perf_counter()
+        """Start working out, through the model's own loaders, which elements of this rank's
+        parameters the staged tensors change (positions and new values, kept next to the
+        parameters), on this worker's staging thread: the engine goes on generating meanwhile."""
+        self._drop_inplace()
         weights = _read_tensors(update_info.path, set(update_info.names))
         self._served.check_fits(
             {name: (from_torch_dtype(t.dtype), tuple(t.shape)) for name, t in weights}, complete=False
         )
-        with set_current_vllm_config(self.vllm_config), torch.inference_mode():
-            changes, _ignored = element_changes(self.model, weights, self._packed)
-        self._changes, self._undo = merged(changes), None
-        elements = sum(c.positions.numel() for c in self._changes)
-        seconds = time.perf_counter() - started
-        log.info(
-            "delta_swap: staged %d changed elements of %d parameters in %.3fs", elements, len(self._changes), seconds
-        )
-        if update_info.output:
-            nbytes = sum(c.nbytes for c in self._changes)
-            write_worker_result(update_info.output, {"elements": elements, "bytes": nbytes, "seconds": seconds})
+
+        def work() -> tuple[list[ElementChanges], float]:
+            started = time.perf_counter()
+            with set_current_vllm_config(self.vllm_config), torch.inference_mode():
+                changes, _ignored = element_changes(self.model, weights, self._packed, default_weight_loader)
+            return changes, time.perf_counter() - started
+
+        self._staging = self._stager.submit(work)
+
+    def _stage_wait(self, output: str) -> None:
+        """Answer whether the staging thread is done (never waits for it), with what it found."""
+        staging = self._staging
+        if staging is None:
+            write_worker_result(output, {"done": True, "error": "delta_swap: nothing is being staged"})
+        elif not staging.done():
+            write_worker_result(output, {"done": False})
+        elif staging.exception() is not None:
+            exc = staging.exception()
+            write_worker_result(output, {"done": True, "error": f"{type(exc).__name__}: {exc}"})
+        else:
+            changes, seconds = staging.result()
+            elements = sum(c.positions.numel() for c in changes)
+            log.info(
+                "delta_swap: staged %d changed elements of %d parameters in %.3fs", elements, len(changes), seconds
+            )
+            nbytes = sum(c.nbytes for c in changes)
+            write_worker_result(output, {"done": True, "elements": elements, "bytes": nbytes, "seconds": seconds})
+
+    def _drop_inplace(self) -> None:
+        """Forget the staged changes and the undo log (waiting for a staging thread still running)."""
+        staging, self._staging, self._undo = self._staging, None, None
+        if staging is not None:
+            staging.cancel()
+            wait([staging])
 
     def _scatter(self, update_info: DeltaSwapUpdateInfo) -> None:
         """Write the staged changes into the live parameters (undo log kept), then read the
@@ -229,14 +259,18 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         ``output`` (see :meth:`_verify` for why answered, not raised)."""
         started = time.perf_counter()
         params = dict(self.model.named_parameters())
+        changes: list[ElementChanges] = []
 
         def fault(done: int) -> None:
             if 0 <= update_info.fail_after <= done:
                 raise RuntimeError(f"delta_swap: injected failure after writing {done} parameters")
 
         try:
+            if self._staging is None:
+                raise RuntimeError("delta_swap: scatter before stage_inplace")
+            changes = self._staging.result()[0]  # done: the API server waited for it before the pause
             with torch.inference_mode():
-                self._undo = scatter(params, self._changes, fault if update_info.fail_after >= 0 else None)
+                self._undo = scatter(params, changes, fault if update_info.fail_after >= 0 else None)
                 if torch.accelerator.is_available():
                     torch.accelerator.synchronize()
         except Exception as exc:  # scatter undid its writes
@@ -246,7 +280,7 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             )
             return
         written = time.perf_counter() - started
-        log.info("delta_swap: wrote %d changed parameters in place in %.1f ms", len(self._changes), 1000 * written)
+        log.info("delta_swap: wrote %d changed parameters in place in %.1f ms", len(changes), 1000 * written)
         if not update_info.verify_path:
             write_worker_result(update_info.output, {"checks": 0, "seconds": 0.0, "written_s": written})
             return
@@ -341,7 +375,7 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         self._touched = set()
 
     def shutdown(self) -> None:
-        pass
+        self._stager.shutdown(wait=False, cancel_futures=True)
 
 
 def _reloaded_cpu_experts(model: torch.nn.Module, touched: set[str]) -> list[tuple[str, Any]]:
