@@ -5,8 +5,9 @@ Before the pause (the engine still generates), the engine's process computes eac
 parameter's :class:`ElementChanges` (:func:`element_changes`: the new tensors go through the
 model's own loaders into scratch copies, each compared with its live parameter) and keeps them next
 to the parameter. The pause
-then runs :func:`scatter`: it checks every change, saves the old values at those positions
-(the :class:`UndoLog`), and writes one scatter per parameter. A failure at any point puts the old
+then runs :func:`scatter`: it checks every change and writes one scatter per parameter, the old
+values at those positions saved first (the :class:`UndoLog`; :func:`save_old_values` saves them
+before the pause). A failure at any point puts the old
 values back, bit-exact, before it is raised; a later rollback calls :meth:`UndoLog.undo`.
 
 Memory on the parameters' device: O(changed elements) (positions, new and old values), never a
@@ -105,17 +106,45 @@ def _flat(param: torch.Tensor, name: str) -> torch.Tensor:
     return data.view(-1)
 
 
+def save_old_values(params: Mapping[str, torch.Tensor], changes: Sequence[ElementChanges]) -> UndoLog:
+    """The undo log of ``changes``: the live values at their positions, checked and saved ahead
+    (before the pause: nothing writes the parameters between a stage and its swap)."""
+    return UndoLog(
+        [(flat, change.positions, flat[change.positions].clone()) for flat, change in _targets(params, changes)]
+    )
+
+
 def scatter(
     params: Mapping[str, torch.Tensor],
     changes: Sequence[ElementChanges],
     after_each: Callable[[int], None] | None = None,
+    saved: UndoLog | None = None,
 ) -> UndoLog:
-    """Write every change into ``params`` (one scatter per parameter) and return the undo log.
+    """Write every change into ``params`` (one scatter per parameter) and return the undo log
+    (``saved``, from :func:`save_old_values` before the pause, or made here).
 
     Everything is checked and every old value saved before the first write; if a write fails
     (or ``after_each``, called with the number of parameters written so far, raises), what was
     written is undone and the error raised.
     """
+    log = save_old_values(params, changes) if saved is None else saved
+    if len(log.entries) != len(changes):
+        raise EngineError("delta_swap: the saved old values are not those of these changes")
+    try:
+        for done, ((flat, _positions, _old), change) in enumerate(zip(log.entries, changes, strict=True), start=1):
+            flat.index_copy_(0, change.positions, change.values)
+            if after_each is not None:
+                after_each(done)
+    except BaseException:
+        log.undo()
+        raise
+    return log
+
+
+def _targets(
+    params: Mapping[str, torch.Tensor], changes: Sequence[ElementChanges]
+) -> list[tuple[torch.Tensor, ElementChanges]]:
+    """Each change with the flat view of its parameter, all checked."""
     targets = []
     for change in changes:
         param = params.get(change.param)
@@ -127,16 +156,7 @@ def scatter(
         if change.positions.numel() and int(change.positions.max()) >= flat.numel():
             raise EngineError(f"delta_swap: a change of {change.param} lies outside it")
         targets.append((flat, change))
-    log = UndoLog([(flat, change.positions, flat[change.positions].clone()) for flat, change in targets])
-    try:
-        for done, (flat, change) in enumerate(targets, start=1):
-            flat.index_copy_(0, change.positions, change.values)
-            if after_each is not None:
-                after_each(done)
-    except BaseException:
-        log.undo()
-        raise
-    return log
+    return targets
 
 
 _MISSING = object()

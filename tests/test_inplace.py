@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from delta_swap.errors import EngineError
-from delta_swap.inplace import UndoLog, changes_between, merge, scatter
+from delta_swap.inplace import UndoLog, changes_between, merge, save_old_values, scatter
 
 
 def _params(seed: int = 0) -> dict[str, torch.nn.Parameter]:
@@ -117,3 +117,20 @@ def test_merged_changes_of_one_parameter_keep_the_last_write() -> None:
     out = live.clone()
     out[both.positions] = both.values
     assert out.tolist() == [1, 0, 5, 0, 0, 0, 0, 3]
+
+
+def test_old_values_saved_before_the_pause_undo_a_failed_scatter() -> None:
+    params = _params(4)
+    before = {name: p.detach().clone() for name, p in params.items()}
+    changes = [c for name in params if (c := changes_between(name, params[name].data, _moved(params[name], 4)))]
+    saved = save_old_values(params, changes)
+
+    def fail(done: int) -> None:
+        if done == len(changes):
+            raise RuntimeError("injected")
+
+    with pytest.raises(RuntimeError):
+        scatter(params, changes, fail, saved)
+    assert all(_same_bits(p, before[name]) for name, p in params.items())
+    with pytest.raises(EngineError, match="saved old values"):
+        scatter(params, changes, saved=save_old_values(params, changes[:1]))

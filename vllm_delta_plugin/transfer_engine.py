@@ -52,7 +52,7 @@ from delta_swap.arena import Arena, ArenaLayout
 from delta_swap.checkpoint_dir import read_checkpoint_dir
 from delta_swap.dtypes import from_torch_dtype
 from delta_swap.errors import ChecksumMismatchError, IncompatibleSnapshotError
-from delta_swap.inplace import ElementChanges, UndoLog, element_changes, scatter
+from delta_swap.inplace import ElementChanges, UndoLog, element_changes, save_old_values, scatter
 from delta_swap.module_groups import complete_modules, module_groups, module_of
 from delta_swap.readback import modules_sharing_parameters_with as _modules_sharing_parameters_with
 from delta_swap.readback import verify_modules
@@ -120,7 +120,7 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         self._arenas: dict[str, Arena] = {}
         #: The in-place path: the changes being staged (a thread of this worker works them out
         #: while the engine generates), and the undo log of the last scatter.
-        self._staging: Future[tuple[list[ElementChanges], float]] | None = None
+        self._staging: Future[tuple[list[ElementChanges], UndoLog, float]] | None = None
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="delta-swap-stage")
         self._undo: UndoLog | None = None
 
@@ -219,11 +219,12 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             {name: (from_torch_dtype(t.dtype), tuple(t.shape)) for name, t in weights}, complete=False
         )
 
-        def work() -> tuple[list[ElementChanges], float]:
+        def work() -> tuple[list[ElementChanges], UndoLog, float]:
             started = time.perf_counter()
             with set_current_vllm_config(self.vllm_config), torch.inference_mode():
                 changes, _ignored = element_changes(self.model, weights, self._packed, default_weight_loader)
-            return changes, time.perf_counter() - started
+                saved = save_old_values(dict(self.model.named_parameters()), changes)
+            return changes, saved, time.perf_counter() - started
 
         self._staging = self._stager.submit(work)
 
@@ -238,7 +239,7 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             exc = staging.exception()
             write_worker_result(output, {"done": True, "error": f"{type(exc).__name__}: {exc}"})
         else:
-            changes, seconds = staging.result()
+            changes, _saved, seconds = staging.result()
             elements = sum(c.positions.numel() for c in changes)
             log.info(
                 "delta_swap: staged %d changed elements of %d parameters in %.3fs", elements, len(changes), seconds
@@ -268,9 +269,9 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         try:
             if self._staging is None:
                 raise RuntimeError("delta_swap: scatter before stage_inplace")
-            changes = self._staging.result()[0]  # done: the API server waited for it before the pause
+            changes, saved, _ = self._staging.result()  # done: the API server waited for it before the pause
             with torch.inference_mode():
-                self._undo = scatter(params, changes, fault if update_info.fail_after >= 0 else None)
+                self._undo = scatter(params, changes, fault if update_info.fail_after >= 0 else None, saved)
                 if torch.accelerator.is_available():
                     torch.accelerator.synchronize()
         except Exception as exc:  # scatter undid its writes
