@@ -29,6 +29,8 @@ point here::
              heartbeat              the trainer's signed heartbeat (a frozen HEAD shows as stale)
              rebuild                fetch, check, decode and verify snapshots (large shards streamed)
              commit                 how ranks' parts become a manifest and move HEAD
+             head_cache             the publisher's local copy of the last step it published (no
+                                    rebuild of the store's head before the next delta)
              publisher              the trainer side: background encode, upload, commit, notify
              retention              deleting snapshots no server needs (PublisherConfig.keep_bases)
     rollout  settings               Settings: every setting of a rollout server
@@ -37,6 +39,8 @@ point here::
              arena                  weight arenas: one flat buffer per dtype, a live and a spare copy
              torch_params           pointing an engine's parameters into an arena
              module_groups          which checkpoint tensors an engine loads into one module
+             inplace                writing only the changed elements into live parameters, with
+                                    an undo log (swap_path=inplace)
              readback               reading back what an engine computes with after a swap (torch)
              verify_budget          when to read a swap back (verify_swaps=auto: within 10% of windows)
              swap                   one update, all or nothing: stage, pause, swap, roll back, resume
