@@ -57,7 +57,10 @@ build "$cache/gpu-sglang" "sglang==0.5.23"
 export DELTA_SWAP_DEVICE=cuda DELTA_SWAP_SGLANG_PYTHON="$cache/gpu-sglang/bin/python"
 cd "$root"
 set -x
-"$cache/gpu-vllm/bin/python" -m benchmarks.swap_window --sizes 100M 350M --updates 3 \
-  --json "$out/swap_window.json" --plot "$out/swap_window.png"
+# vLLM: its default path and the in-place one (changed elements scattered into the CUDA parameters)
+"$cache/gpu-vllm/bin/python" -m benchmarks.swap_window --engines vllm --sizes 100M 350M --updates 3 \
+  --swap-paths auto inplace --json "$out/swap_window_vllm.json" --plot "$out/swap_window_vllm.png"
+"$cache/gpu-vllm/bin/python" -m benchmarks.swap_window --engines sglang --sizes 100M 350M --updates 3 \
+  --json "$out/swap_window_sglang.json" --plot "$out/swap_window_sglang.png"
 "$cache/gpu-vllm/bin/python" -m benchmarks.throughput_under_updates --size 350M --modes keep --seconds 60 \
   --rounds 2 --streams 8 --json "$out/throughput_under_updates.json" --plot "$out/throughput_under_updates.png"
