@@ -17,5 +17,7 @@ snapshot of a store.
 * :mod:`.versions` tags OpenAI responses with the weight versions that produced them;
 * :mod:`.trainer_engine` is the trainer side of vLLM's weight-transfer API: the ``delta_swap``
   trainer engine (``WeightTransferTrainerFactory``) publishes each ``send_weights()`` to the store;
-* :mod:`.compat` pins the vLLM versions the integration supports.
+* :mod:`.trl_sync` makes TRL's server-mode weight sync (``GRPOTrainer``) publish through that
+  engine instead of NCCL (a ``DeltaSwapSync`` callback);
+* :mod:`.compat` pins the vLLM and TRL versions the integrations support.
 """

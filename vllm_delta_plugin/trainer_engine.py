@@ -167,12 +167,18 @@ class DeltaSwapTrainerEngine(TrainerWeightTransferEngine[DeltaSwapTrainerInitInf
         return cls(init_info, client=client, source=source)
 
     def send_weights(
-        self, weights: Iterable[tuple[str, Any]] | Mapping[str, Any] | None = None, *, step: int | None = None
+        self,
+        weights: Iterable[tuple[str, Any]] | Mapping[str, Any] | None = None,
+        *,
+        step: int | None = None,
+        module: Any = None,
     ) -> None:
         """Publish ``weights`` (default: the source given at ``trainer_init``) as ``step`` (default:
         the step after the last). Called on every rank with the same (name, tensor) sequence in
-        the same order; each rank publishes its share. Returns once the step is queued, or with
-        ``max_staleness`` once the servers serve a recent enough step (on rank 0)."""
+        the same order; each rank publishes its share. ``module``: the transformers model the
+        weights come from, so that they travel under its checkpoint names (a ``ModuleSource``
+        says so itself). Returns once the step is queued, or with ``max_staleness`` once the
+        servers serve a recent enough step (on rank 0)."""
         pairs: Any = weights if weights is not None else self.source
         if pairs is None:
             raise ConfigError("send_weights needs weights, or a source given to trainer_init")
@@ -183,7 +189,7 @@ class DeltaSwapTrainerEngine(TrainerWeightTransferEngine[DeltaSwapTrainerInitInf
         )
         held = pairs.held_names() if isinstance(pairs, WeightSource) else None
         share = self._share(pairs, held)
-        model = getattr(pairs, "_module", None)  # a ModuleSource: publish the model's checkpoint names
+        model = module if module is not None else getattr(pairs, "_module", None)  # a ModuleSource's model
         from delta_swap.integrations.hf_names import checkpoint_tensors, is_transformers_model
 
         if model is not None and is_transformers_model(model):
