@@ -27,6 +27,7 @@ line: engine, family, path, layout, exact or not, the swap's no-generation windo
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -250,12 +251,19 @@ class EngineExactnessTests:
         return [self.prompt_logprobs(url, prompt) for prompt in PROMPTS]
 
     def _reference(self, checkpoint: Path, workdir: Path, log_name: str) -> list[list[Any]]:
-        settings = {"swap_path": self.swap_path, **{k: v for k, v in self.settings.items() if k != "store"}}
-        server = self.start_server(checkpoint, workdir, settings, log_name)
-        try:
-            return self._served(server.url)
-        finally:
-            server.stop()
+        """A fresh server's logprobs on ``checkpoint``: started once per checkpoint content, engine
+        and flags in a test session (classes of one family share their references)."""
+        swap_path = _REFERENCE_SWAP_PATH.get(self.swap_path, self.swap_path)
+        settings = {"swap_path": swap_path, **{k: v for k, v in self.settings.items() if k != "store"}}
+        engine, flags = type(self).engine or type(self).__module__, json.dumps(settings, sort_keys=True, default=str)
+        key = (engine, flags, self.extra, _digest(checkpoint))
+        if key not in _REFERENCES:
+            server = self.start_server(checkpoint, workdir, settings, log_name)
+            try:
+                _REFERENCES[key] = self._served(server.url)
+            finally:
+                server.stop()
+        return _REFERENCES[key]
 
 
 def status(url: str) -> dict[str, Any]:
@@ -275,6 +283,25 @@ def wait_for(url: str, pred: Callable[[dict[str, Any]], bool], timeout: float = 
             return st
         time.sleep(0.2)
     raise AssertionError(f"timed out; status: {json.dumps(st, indent=1)}")
+
+
+#: A server without a store reads ``swap_path`` only to choose how it keeps its weights; arena and
+#: in-place swaps both ask for the checkpoint's plain layout, so their references are one server.
+_REFERENCE_SWAP_PATH = {"inplace": "arena"}
+
+#: Reference logprobs of this test session, by (engine, settings, extra arguments, checkpoint digest).
+_REFERENCES: dict[tuple[Any, ...], list[list[Any]]] = {}
+
+
+def _digest(folder: Path) -> str:
+    """SHA-256 over the names and bytes of a checkpoint folder's files."""
+    digest = hashlib.sha256()
+    for file in sorted(p for p in folder.rglob("*") if p.is_file()):
+        digest.update(str(file.relative_to(folder)).encode() + b"\0")
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
 
 
 def _max_difference(a: Sequence[Sequence[Any]], b: Sequence[Sequence[Any]]) -> float:
