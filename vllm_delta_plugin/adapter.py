@@ -309,19 +309,11 @@ class VllmAdapter(EngineAdapter):
             await self._call({"op": "commit", "path": str(staged.path)}, update.version)
             assert self.arenas is not None
             self.arenas.live = staged
-        elif staged.inplace:
-            await self._scatter(staged)
-            if update.version is not None:
-                await self.engine.update_weight_version(update.version)
         else:
-            started, check_s = time.perf_counter(), None
-            if staged.verify:  # read back before the engine generates on the new weights
-                await self._load_and_verify(staged)
-                assert self.last_verification is not None
-                check_s = self.last_verification["seconds"]
+            if staged.inplace:  # a worker that fails undoes its writes and answers the error
+                await self._apply(staged, {"op": "scatter", "fail_after": _injected_failure()}, answered=True)
             else:
-                await self._call({"op": "load", "path": staged.path, "names": staged.names})
-            self.verify_budget.record(time.perf_counter() - started - (check_s or 0.0), check_s)
+                await self._apply(staged, {"op": "load", "path": staged.path, "names": staged.names})
             if update.version is not None:
                 await self.engine.update_weight_version(update.version)
         # No new request may reuse KV computed with the old weights: drop the prefix cache. Requests
@@ -335,37 +327,21 @@ class VllmAdapter(EngineAdapter):
         if not reset and not keep_kv:
             raise EngineError("vllm: refused to reset its prefix cache after a weight update")
 
-    async def _load_and_verify(self, staged: StagedFile) -> None:
-        """Load, then have the workers read back what they now compute with (raises on any
-        difference), in one weight-update call."""
-        output = staged.path + ".verified.json"
-        try:
-            await self._call(
-                {
-                    "op": "load",
-                    "path": staged.path,
-                    "names": staged.names,
-                    "output": output,
-                    "verify_path": staged.verify_path,
-                    "verify_names": staged.verify_names,
-                }
-            )
-        finally:
-            answers = read_worker_results(output)
-        self.last_verification = merge_verifications(answers)
-
-    async def _scatter(self, staged: StagedFile) -> None:
-        """Have the workers write the staged elements in place (and read them back if due); a
-        worker that fails undoes its writes and answers the error, raised here."""
-        started, output = time.perf_counter(), staged.path + ".scatter.json"
-        info: dict[str, Any] = {"op": "scatter", "output": output, "fail_after": _injected_failure()}
+    async def _apply(self, staged: StagedFile, info: dict[str, Any], *, answered: bool = False) -> None:
+        """Have the workers apply ``staged`` (the worker op in ``info``: ``load`` or ``scatter``),
+        reading back what they then compute with when verification is due (raises on any
+        difference), in one weight-update call; the time goes to the verify budget. ``answered``:
+        the op always answers through a result file (its errors come back that way)."""
+        started, check_s, output = time.perf_counter(), None, f"{staged.path}.{info['op']}.json"
         if staged.verify:
-            info.update(verify_path=staged.verify_path, verify_names=staged.verify_names)
-        try:
+            info = {**info, "verify_path": staged.verify_path, "verify_names": staged.verify_names}
+        if staged.verify or answered:
+            try:
+                await self._call({**info, "output": output})
+            finally:
+                answers = read_worker_results(output)  # raises a worker's error
+        else:
             await self._call(info)
-        finally:
-            answers = read_worker_results(output)
-        check_s = None
         if staged.verify:
             self.last_verification = merge_verifications(answers)
             check_s = self.last_verification["seconds"]
