@@ -39,6 +39,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.machine import cpu_flags
+
 HIDDEN, INTERMEDIATE, VOCAB = 1024, 2816, 8192
 
 
@@ -287,21 +289,9 @@ def _cores() -> int:
 
 def machine() -> list[str]:
     """The CPU, its bf16-relevant flags, the cores this process may use and the load."""
-    model, flags = "unknown", set()
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout.splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "Model name":
-                model = value.strip()
-            elif key.strip() == "Flags":
-                flags = set(value.split())
-    except (OSError, subprocess.SubprocessError):
-        pass
-    amx = sorted(f for f in flags if f.startswith("amx"))
     load = os.getloadavg()
     return [
-        f"cpu: {model}; avx512f {'yes' if 'avx512f' in flags else 'no'}, "
-        f"avx512_bf16 {'yes' if 'avx512_bf16' in flags else 'no'}, amx {' '.join(amx) if amx else 'no'}",
+        f"cpu: {cpu_flags()}",
         f"cores allowed: {_cores()}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the start",
     ]
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.machine import cpu_flags
+
 #: The README's names of the suite's families, in the matrix's order.
 FAMILIES: dict[str, str] = {
     "llama": "Llama",
@@ -31,7 +33,6 @@ FAMILIES: dict[str, str] = {
     "qwen2_moe": "Qwen2-MoE (shared expert)",
 }
 ENGINES: dict[str, str] = {"vllm": "vLLM", "sglang": "SGLang"}
-CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 
 
 @dataclass
@@ -97,21 +98,12 @@ def cells(records: Iterable[Mapping[str, Any]]) -> list[Cell]:
     return sorted(by_key.values(), key=rank)
 
 
-def cpu_flags(cpuinfo: str) -> str:
-    """``flag=yes|no`` for each of :data:`CPU_FLAGS` in a ``/proc/cpuinfo`` text."""
-    flags: set[str] = set()
-    for line in cpuinfo.splitlines():
-        if line.startswith("flags"):
-            flags.update(line.partition(":")[2].split())
-    return " ".join(f"{f}={'yes' if f in flags else 'no'}" for f in CPU_FLAGS)
-
-
 def table(records: list[Mapping[str, Any]], cpuinfo: str) -> list[str]:
     """The matrix as markdown lines: a heading line, then the table."""
     days = sorted({str(r.get("time", ""))[:10] for r in records} - {""})
     when = days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}" if days else "unknown date"
     lines = [
-        f"Measured {when}; CPU: {cpu_flags(cpuinfo)}. Window: pause + swap + resume, median over the cell's "
+        f"Measured {when}; CPU: {cpu_flags(cpuinfo, model=False)}. Window: pause + swap + resume, median over the cell's "
         "swaps (the suite reads back every reload or tensor load, inside the window).",
         "",
         "| family | engine | layout | path | served = fresh server | window ms | test |",

@@ -38,26 +38,11 @@ from benchmarks.harness import (
     wait_ready,
     wait_step,
 )
+from benchmarks.machine import cpu_flags
 from examples.servers.process import device
 
 WINDOW_PHASES = ("pause", "swap", "resume")
 DOCS = Path(__file__).resolve().parents[1] / "docs"
-
-
-def cpu_flags() -> str:
-    """The CPU flags that decide the engines' CPU weight layout, from ``/proc/cpuinfo``."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown CPU"
-    flags: set[str] = set()
-    model = "?"
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags.update(line.partition(":")[2].split())
-        elif line.startswith("model name"):
-            model = line.partition(":")[2].strip()
-    return f"{model}; " + " ".join(f"{f}={'yes' if f in flags else 'no'}" for f in ("amx_bf16", "avx512_bf16"))
 
 
 def measure(engine: str, size: str, work: Path, updates: int, swap_path: str = "auto", restart: bool = True) -> dict:

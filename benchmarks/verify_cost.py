@@ -19,18 +19,9 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.harness import SIZES, Trainer, engine_server, make_model, model_bytes, status, wait_ready, wait_step
+from benchmarks.machine import cpu_flags
 
 WINDOW_PHASES = ("pause", "swap", "resume")
-
-
-def cpu_flags() -> str:
-    """The CPU flags that decide vLLM's CPU weight layout (AMX, AVX512-BF16)."""
-    import torch
-
-    return (
-        f"amx={'yes' if torch.cpu._is_amx_tile_supported() else 'no'} "
-        f"avx512_bf16={'yes' if torch.cpu._is_avx512_bf16_supported() else 'no'}"
-    )
 
 
 POLICIES = ("always", "never", "auto")
