@@ -76,32 +76,14 @@ async def test_a_transformers_trainer_publishes_after_each_optimizer_step(tmp_pa
 
 async def test_a_trl_grpo_trainer_publishes_with_the_callback(tmp_path, tiny) -> None:
     """TRL's trainers are transformers Trainers: the same callback publishes from GRPOTrainer."""
-    from datasets import Dataset
-    from transformers import AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from delta_swap.integrations.hf_trainer import DeltaSwapCallback
+    from examples.trl_grpo import digits
+    from tests.support.trainers import grpo_config, grpo_task
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny)
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    prompts = Dataset.from_list([{"prompt": p} for p in ("the model", "write a number", "count to", "years like")])
-
-    def digits(completions: list[str], **kwargs) -> list[float]:
-        return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in completions]
-
-    config = GRPOConfig(
-        output_dir=str(tmp_path / "out"),
-        max_steps=2,
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=4,
-        learning_rate=1e-4,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        logging_strategy="no",
-        bf16=False,
-    )
+    tokenizer, prompts = grpo_task(tiny)
+    config = grpo_config(tmp_path / "out", max_steps=2, learning_rate=1e-4)
     trainer = GRPOTrainer(
         model=str(tiny),
         reward_funcs=digits,

@@ -55,14 +55,13 @@ async def test_grpo_in_server_mode_syncs_through_the_store_and_ends_serving_the_
     follower, monkeypatch
 ) -> None:
     import requests
-    from datasets import Dataset
-    from safetensors.torch import save_file
-    from transformers import AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from delta_swap.integrations.hf_names import checkpoint_tensors
     from delta_swap.testing.engine_exactness import PROMPTS
     from examples.servers import vllm as vllm_server
+    from examples.trl_grpo import digits
+    from tests.support.trainers import grpo_config, grpo_task, write_checkpoint
     from tests.test_vllm_exactness import completion_logprobs
     from vllm_delta_plugin.trl_sync import DeltaSwapSync
 
@@ -88,28 +87,14 @@ async def test_grpo_in_server_mode_syncs_through_the_store_and_ends_serving_the_
         monkeypatch.setattr(torch.distributed, name, recorder(name, getattr(torch.distributed, name)))
     before = [completion_logprobs(server.url, p) for p in PROMPTS]
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    prompts = Dataset.from_list([{"prompt": p} for p in ("the model", "write a number", "count to", "years like")])
-
-    def digits(completions: list[str], **kwargs) -> list[float]:
-        return [sum(c.isdigit() for c in text) / max(1, len(text)) for text in completions]
-
-    config = GRPOConfig(
-        output_dir=str(work / "out"),
+    tokenizer, prompts = grpo_task(model_dir)
+    config = grpo_config(
+        work / "out",
         max_steps=3,
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=4,
         learning_rate=1e-3,
         use_vllm=True,
         vllm_mode="server",
         vllm_server_base_url=server.url,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        logging_strategy="no",
-        bf16=False,
     )
     sync = DeltaSwapSync((work / "store").as_uri(), base_every=10, max_staleness=0, files_from=str(model_dir))
     trainer = GRPOTrainer(
@@ -138,12 +123,7 @@ async def test_grpo_in_server_mode_syncs_through_the_store_and_ends_serving_the_
     assert sync.engine.served_steps() == [3]
     served = [completion_logprobs(server.url, p) for p in PROMPTS]
 
-    last = work / "step-3"
-    last.mkdir()
-    for file in model_dir.iterdir():
-        if not file.name.endswith(".safetensors"):
-            (last / file.name).write_bytes(file.read_bytes())
-    save_file({k: v.contiguous() for k, v in final.items()}, str(last / "model.safetensors"))
+    last = write_checkpoint(model_dir, work / "step-3", final)
     reference = vllm_server.start(last, work, served_name="tiny", log_name="ref.log")
     try:
         expected = [completion_logprobs(reference.url, p) for p in PROMPTS]

@@ -306,12 +306,12 @@ def follower(tmp_path_factory):
 
 @pytest.mark.engine
 def test_a_native_api_loop_drives_a_real_server_to_the_last_checkpoint_exactly(follower) -> None:
-    from safetensors.torch import save_file
     from transformers import LlamaForCausalLM
 
     from delta_swap.integrations.hf_names import checkpoint_tensors
     from delta_swap.testing.engine_exactness import PROMPTS
     from examples.servers import vllm as vllm_server
+    from tests.support.trainers import write_checkpoint
     from tests.test_vllm_exactness import completion_logprobs
 
     server, model_dir, work = follower
@@ -335,13 +335,7 @@ def test_a_native_api_loop_drives_a_real_server_to_the_last_checkpoint_exactly(f
     served = [completion_logprobs(server.url, p) for p in PROMPTS]
     engine.shutdown()
 
-    last = work / "step-2"  # the last checkpoint, written as save_pretrained would
-    last.mkdir()
-    for file in model_dir.iterdir():
-        if not file.name.endswith(".safetensors"):
-            (last / file.name).write_bytes(file.read_bytes())
-    tensors = checkpoint_tensors(policy, dtype=torch.bfloat16)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(last / "model.safetensors"))
+    last = write_checkpoint(model_dir, work / "step-2", checkpoint_tensors(policy, dtype=torch.bfloat16))
     reference = vllm_server.start(last, work, settings={"swap_path": "reload"}, served_name="tiny", log_name="ref.log")
     try:
         expected = [completion_logprobs(reference.url, p) for p in PROMPTS]
