@@ -283,7 +283,16 @@ def test_keep_and_abort_drain_modes(drain, models, references, sglang_python, sh
         tmp_path,
         served_name="tiny",
         shim_log=shim_log,
-        extra=["--delta-swap-source", store.as_uri(), "--delta-swap-drain", drain],
+        # its own freshness record: the default one (per store URL, in the staging dir) outlives
+        # this test's folder, and a rerun at the same path would find the last run's steps there
+        extra=[
+            "--delta-swap-source",
+            store.as_uri(),
+            "--delta-swap-drain",
+            drain,
+            "--delta-swap-freshness-file",
+            str(tmp_path / "freshness.json"),
+        ],
         env={"DELTA_SWAP_POLL_INTERVAL": "0.2", "DELTA_SWAP_ADMIN_OPEN_LOOPBACK": "1"},
     )
     try:
