@@ -13,7 +13,8 @@ cannot run at all (it needs CUDA for NCCL).
 
 The policy is a small random Llama trained on a programmatic reward (the fraction of digits in
 the completion). Per step the example prints the mean reward, the step the server serves when the
-step ends, its staleness (steps behind the trainer) and the bytes the step's snapshot published.
+step ends, its staleness (steps behind the trainer), and the last step published with its bytes
+(TRL syncs before generating, so at the end of step s the newest snapshot is step s-1's weights).
 """
 
 from __future__ import annotations
@@ -65,9 +66,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     store = work / "store"
     store.mkdir(parents=True, exist_ok=True)
     print(f"== starting vLLM with the delta_swap plugin, following {store.as_uri()}", flush=True)
-    settings = {"store": store.as_uri(), "trusted_key": str(public_key), "poll_interval": 0.1}
+    settings = {
+        "store": store.as_uri(),
+        "trusted_key": str(public_key),
+        "poll_interval": 0.1,
+        "admin_open_loopback": True,  # the trainer's notify after each commit comes from loopback
+    }
     server = vllm_server.start(
-        model_dir, work / "vllm", settings=settings, served_name="policy", env={"VLLM_SERVER_DEV_MODE": "1"}
+        model_dir,
+        work / "vllm",
+        settings=settings,
+        served_name="policy",
+        env={"VLLM_SERVER_DEV_MODE": "1"},  # TRL reads /server_info (a dev route)
+        extra=["--logprobs-mode", "processed_logprobs"],  # what TRL's importance sampling wants
     )
     logs: list[dict] = []
     try:
@@ -108,10 +119,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         )
         trainer.train()
         served = sync.engine.served_steps()[0]
-        published = sum(log["published_bytes"] for log in logs)
+        by_step = {log["published_step"]: log["published_bytes"] for log in logs}
+        last = sync.engine.publisher.last_manifest  # the final weights, published at the end of train()
+        if last is not None:
+            by_step[last.step] = last.payload_bytes
+        published = sum(by_step.values())
         print(
             f"\n{len(logs)} GRPO steps through TRL's server mode, no NCCL: {published / 1e6:.2f} MB published "
-            f"(b: a full base, d: a delta); after train() the server serves step {served}, the trained policy"
+            f"for {len(by_step)} snapshots (b: a full base, d: a delta); after train() the server serves step {served}, the trained policy"
         )
     finally:
         server.stop()
@@ -124,7 +139,7 @@ class _StepPrinter(TrainerCallback):
     def __init__(self, sync: Any, logs: list[dict]) -> None:
         self.sync, self.logs = sync, logs
         self._started = time.perf_counter()
-        print(f"{'step':>4} {'reward':>7} {'served':>6} {'stale':>5} {'published':>10} {'s':>5}", flush=True)
+        print(f"{'step':>4} {'reward':>7} {'served':>6} {'stale':>5} {'last published':>17} {'s':>5}", flush=True)
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
         if not logs or "reward" not in logs or self.sync.engine is None:
@@ -137,6 +152,7 @@ class _StepPrinter(TrainerCallback):
             "reward": float(logs["reward"]),
             "served": served,
             "staleness": None if served is None else state.global_step - served,
+            "published_step": manifest.step if manifest else None,
             "kind": manifest.kind.value if manifest else "-",
             "published_bytes": manifest.payload_bytes if manifest else 0,
             "seconds": time.perf_counter() - self._started,
@@ -145,7 +161,8 @@ class _StepPrinter(TrainerCallback):
         self._started = time.perf_counter()
         print(
             f"{log['step']:>4} {log['reward']:>7.3f} {served!s:>6} {log['staleness']!s:>5} "
-            f"{log['published_bytes'] / 1e3:>6.1f}kB {log['kind'][0]} {log['seconds']:>5.1f}",
+            f"{'s' + str(log['published_step']):>5} {log['published_bytes'] / 1e3:>7.1f}kB {log['kind'][0]} "
+            f"{log['seconds']:>5.1f}",
             flush=True,
         )
 
