@@ -220,7 +220,7 @@ class DeltaSwapTrainerEngine(TrainerWeightTransferEngine[DeltaSwapTrainerInitInf
 
     def served_steps(self) -> list[int | None]:
         """The step each server serves now (``/delta_swap/status``; None: nothing yet or unreachable)."""
-        return [(_status(url) or {}).get("current_step") for url in self.server_urls]
+        return [(server_status(url) or {}).get("current_step") for url in self.server_urls]
 
     def wait_for_servers(self, step: int, timeout_s: float = 300.0) -> None:
         """Wait until every server serves ``step`` or a later one; TimeoutError (or the publish
@@ -228,7 +228,7 @@ class DeltaSwapTrainerEngine(TrainerWeightTransferEngine[DeltaSwapTrainerInitInf
         deadline = time.monotonic() + timeout_s
         statuses: list[dict[str, Any] | None] = []
         while True:
-            statuses = [_status(url) for url in self.server_urls]
+            statuses = [server_status(url) for url in self.server_urls]
             if all(
                 s is not None and (s.get("current_step") is not None and s["current_step"] >= step) for s in statuses
             ):
@@ -250,7 +250,8 @@ class DeltaSwapTrainerEngine(TrainerWeightTransferEngine[DeltaSwapTrainerInitInf
         self.publisher.close()
 
 
-def _status(url: str) -> dict[str, Any] | None:
+def server_status(url: str) -> dict[str, Any] | None:
+    """A delta-swap server's ``/delta_swap/status`` (None: unreachable, or not a delta-swap server)."""
     import httpx
 
     try:

@@ -79,10 +79,9 @@ class DeltaSwapSync(TrainerCallback):
         serve them; raises if a step failed to publish."""
         if self.engine is None:
             return
-        model = model if model is not None else self.model
-        last = self.engine.last_step
-        if model is not None and (last is None or state.global_step > last):
-            self.engine.send_weights(list(model.named_parameters()), step=state.global_step, module=model)
+        self.model = model if model is not None else self.model
+        if self.model is not None:  # the trainer's global step, unless a sync published it already
+            self.sync(self.model.named_parameters())
         self.engine.flush()
         if self.engine.last_step is not None and self.engine.server_urls:
             self.engine.wait_for_servers(self.engine.last_step, self.init_info.wait_timeout_s)
@@ -91,9 +90,9 @@ class DeltaSwapSync(TrainerCallback):
 
     def attach(self, base_url: str) -> None:
         """Open the store for TRL's client of the server at ``base_url`` (its ``init_communicator``)."""
-        from .trainer_engine import DeltaSwapTrainerEngine, _status
+        from .trainer_engine import DeltaSwapTrainerEngine, server_status
 
-        if _status(base_url.rstrip("/")) is None:
+        if server_status(base_url.rstrip("/")) is None:
             raise ConfigError(
                 f"the server at {base_url} does not answer /delta_swap/status: start it with the delta-swap "
                 "plugin (VLLM_PLUGINS=delta_swap, DELTA_SWAP_STORE) following the store this trainer publishes to"
