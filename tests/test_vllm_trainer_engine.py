@@ -310,8 +310,7 @@ def test_a_native_api_loop_drives_a_real_server_to_the_last_checkpoint_exactly(f
 
     from delta_swap.integrations.hf_names import checkpoint_tensors
     from delta_swap.testing.engine_exactness import PROMPTS
-    from examples.servers import vllm as vllm_server
-    from tests.support.trainers import write_checkpoint
+    from tests.support.trainers import fresh_server_logprobs, write_checkpoint
     from tests.test_vllm_exactness import completion_logprobs
 
     server, model_dir, work = follower
@@ -336,10 +335,6 @@ def test_a_native_api_loop_drives_a_real_server_to_the_last_checkpoint_exactly(f
     engine.shutdown()
 
     last = write_checkpoint(model_dir, work / "step-2", checkpoint_tensors(policy, dtype=torch.bfloat16))
-    reference = vllm_server.start(last, work, settings={"swap_path": "reload"}, served_name="tiny", log_name="ref.log")
-    try:
-        expected = [completion_logprobs(reference.url, p) for p in PROMPTS]
-    finally:
-        reference.stop()
+    expected = fresh_server_logprobs(last, work, settings={"swap_path": "reload"})
     assert expected != before, "two optimizer steps change no logprob: the check could not fail"
     assert served == expected

@@ -49,3 +49,17 @@ def write_checkpoint(like: Path, out: Path, tensors: Mapping[str, Any]) -> Path:
             (out / file.name).write_bytes(file.read_bytes())
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
     return out
+
+
+def fresh_server_logprobs(checkpoint: Path, workdir: Path, settings: Mapping[str, object] | None = None) -> list:
+    """The prompt logprobs (engine_exactness.PROMPTS) of a fresh vLLM server with the plugin and no
+    store, started on ``checkpoint`` and stopped again: the reference a swapped server must equal."""
+    from delta_swap.testing.engine_exactness import PROMPTS
+    from examples.servers import vllm as vllm_server
+    from tests.test_vllm_exactness import completion_logprobs
+
+    reference = vllm_server.start(checkpoint, workdir, settings=settings, served_name="tiny", log_name="ref.log")
+    try:
+        return [completion_logprobs(reference.url, p) for p in PROMPTS]
+    finally:
+        reference.stop()
