@@ -61,12 +61,28 @@ def read_checkpoint_dir(path: str | os.PathLike[str]) -> tuple[StateDict, dict[s
                     raise CorruptDataError(f"tensor {name} appears in two safetensors files")
                 state[name] = tensor
         elif is_side_file(entry.name):
-            if entry.stat().st_size > MAX_FILE_BYTES:
-                raise CorruptDataError(f"{entry.name} is too large for a checkpoint side file")
-            files[check_relative_name(entry.name, "file")] = entry.read_bytes()
+            files[check_relative_name(entry.name, "file")] = _read_side_file(entry)
     if not state:
         raise NotFoundError(f"no *.safetensors files in {root}")
     return state, files
+
+
+def read_side_files(path: str | os.PathLike[str]) -> dict[str, bytes]:
+    """The side files of a checkpoint folder (config, tokenizer...), by name; no tensors read."""
+    root = Path(path)
+    if not root.is_dir():
+        raise NotFoundError(f"checkpoint directory not found: {root}")
+    return {
+        check_relative_name(entry.name, "file"): _read_side_file(entry)
+        for entry in sorted(root.iterdir())
+        if entry.is_file() and not entry.name.startswith(".") and is_side_file(entry.name)
+    }
+
+
+def _read_side_file(entry: Path) -> bytes:
+    if entry.stat().st_size > MAX_FILE_BYTES:
+        raise CorruptDataError(f"{entry.name} is too large for a checkpoint side file")
+    return entry.read_bytes()
 
 
 def read_tensor_specs(path: str | os.PathLike[str]) -> TensorSpecs:

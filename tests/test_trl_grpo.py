@@ -1,6 +1,6 @@
 """TRL's GRPOTrainer in vLLM server mode with DeltaSwapSync (vllm_delta_plugin.trl_sync).
 
-Real TRL (the version pinned in vllm_delta_plugin.compat) trains a tiny Llama on CPU for a few
+Real TRL (the version pinned in delta_swap.integrations.versions) trains a tiny Llama on CPU for a few
 steps, generating through a live vLLM server with the plugin; every weight sync lands in the store
 as a snapshot (a base, then deltas), no NCCL group is made (nor asked of the server), and after
 ``train()`` the server serves exactly the trainer's final bf16 weights: its prompt logprobs equal
@@ -17,11 +17,11 @@ pytest.importorskip("trl")
 
 from delta_swap.chain import ChainReader  # noqa: E402
 from delta_swap.errors import ConfigError  # noqa: E402
+from delta_swap.integrations import versions as compat  # noqa: E402
 from delta_swap.manifest import SnapshotKind  # noqa: E402
 from delta_swap.rebuild import rebuild  # noqa: E402
 from delta_swap.stores import FileStore  # noqa: E402
 from tests.support.chains import assert_state_equal  # noqa: E402
-from vllm_delta_plugin import compat  # noqa: E402
 
 
 def test_an_unsupported_trl_fails_in_one_line() -> None:

@@ -33,11 +33,11 @@ from vllm.distributed.weight_transfer import (  # noqa: E402
 
 from delta_swap.chain import ChainReader  # noqa: E402
 from delta_swap.errors import ConfigError  # noqa: E402
+from delta_swap.integrations import versions as compat  # noqa: E402
 from delta_swap.rebuild import rebuild  # noqa: E402
 from delta_swap.signing import TrustedKeys, generate_keypair  # noqa: E402
 from delta_swap.stores import FileStore  # noqa: E402
 from tests.support.chains import assert_state_equal  # noqa: E402
-from vllm_delta_plugin import compat  # noqa: E402
 from vllm_delta_plugin.trainer_engine import DeltaSwapTrainerEngine, DeltaSwapTrainerInitInfo  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

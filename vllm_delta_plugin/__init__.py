@@ -19,5 +19,4 @@ snapshot of a store.
   trainer engine (``WeightTransferTrainerFactory``) publishes each ``send_weights()`` to the store;
 * :mod:`.trl_sync` makes TRL's server-mode weight sync (``GRPOTrainer``) publish through that
   engine instead of NCCL (a ``DeltaSwapSync`` callback);
-* :mod:`.compat` pins the vLLM and TRL versions the integrations support.
 """

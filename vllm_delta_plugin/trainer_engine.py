@@ -32,20 +32,18 @@ The engine is registered with ``WeightTransferTrainerFactory`` under ``delta_swa
 entry point (:func:`vllm_delta_plugin.plugin.register`, run wherever vLLM loads its general plugins,
 e.g. ``vllm.plugins.load_general_plugins()``) and on importing this module, which a trainer does for
 :class:`DeltaSwapTrainerInitInfo` anyway. The vLLM versions it supports are pinned in
-:mod:`.compat`; on others, importing it fails with one line.
+:mod:`delta_swap.integrations.versions`; on others, importing it fails with one line.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar
 
-from .compat import check_vllm_version
+from delta_swap.integrations.versions import check_vllm_version
 
 check_vllm_version()  # before vLLM's API is touched: an unsupported vLLM fails here, in one line
 
@@ -58,7 +56,10 @@ from vllm.distributed.weight_transfer.base import (  # noqa: E402
     materialize_full_tensor,
 )
 
+from delta_swap.checkpoint_dir import read_side_files  # noqa: E402
 from delta_swap.errors import ConfigError  # noqa: E402
+from delta_swap.integrations.servers import served_steps, wait_for_servers  # noqa: E402
+from delta_swap.integrations.sharded import round_robin_share  # noqa: E402
 from delta_swap.publisher import Publisher, PublisherConfig  # noqa: E402
 
 # The trainer engine's name in ``WeightTransferTrainerFactory`` is the worker backend's: vLLM keeps
@@ -66,9 +67,6 @@ from delta_swap.publisher import Publisher, PublisherConfig  # noqa: E402
 from .plugin import BACKEND_NAME  # noqa: E402
 
 log = logging.getLogger("vllm_delta_plugin")
-
-#: Files of a model folder that never travel with a base (the weights travel as tensors).
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".index.json")
 
 
 @dataclass
@@ -105,7 +103,7 @@ class DeltaSwapTrainerInitInfo(TrainerInitInfo):
     max_staleness: int | None = None
     #: How long ``send_weights`` waits for the servers before raising TimeoutError.
     wait_timeout_s: float = 300.0
-    #: A model folder whose other files (config, tokenizer) travel with every base, so that a
+    #: A model folder whose side files (config, tokenizer) travel with every base, so that a
     #: snapshot is a loadable checkpoint (``delta-swap pull``).
     files_from: str | None = None
     #: Other :class:`delta_swap.PublisherConfig` fields (``keep_bases``, ``run_id``, ``max_pending``...).
@@ -145,7 +143,9 @@ class DeltaSwapTrainerEngine(TrainerWeightTransferEngine[DeltaSwapTrainerInitInf
         except TypeError as exc:
             raise ConfigError(f"publisher_options: {exc}") from None
         #: The publisher of this rank (its ``last_manifest`` is the newest snapshot it committed).
-        self.publisher = Publisher(init_info.store_url, config, files=_model_files(init_info.files_from))
+        self.publisher = Publisher(
+            init_info.store_url, config, files=read_side_files(init_info.files_from) if init_info.files_from else {}
+        )
         self._dtype = getattr(torch, init_info.dtype) if init_info.dtype else None
         #: The step the last ``send_weights`` published (None before the first).
         self.last_step: int | None = None
@@ -203,16 +203,7 @@ class DeltaSwapTrainerEngine(TrainerWeightTransferEngine[DeltaSwapTrainerInitInf
         """This rank's tensors of ``pairs``: every tensor is materialized in turn (a collective for
         a DTensor) and kept only by its owner, cast to the serving dtype."""
         rank, world = self.init_info.rank, self.init_info.world_size
-        held_set = set(held) if held is not None else None
-        out: dict[str, Any] = {}
-        for i, (name, tensor) in enumerate(pairs):
-            if tensor is None:  # a source that holds only part of the model yields None for the rest
-                continue
-            value = materialize_full_tensor(tensor).detach()
-            mine = name in held_set if held_set is not None else i % world == rank
-            if mine:
-                out[name] = value.to(self._dtype) if self._dtype is not None and value.is_floating_point() else value
-        return out
+        return round_robin_share(pairs, rank, world, self._dtype, materialize=materialize_full_tensor, held=held)
 
     def flush(self) -> None:
         """Wait until every step this rank sent is committed (or its part uploaded); raise if one failed."""
@@ -220,56 +211,16 @@ class DeltaSwapTrainerEngine(TrainerWeightTransferEngine[DeltaSwapTrainerInitInf
 
     def served_steps(self) -> list[int | None]:
         """The step each server serves now (``/delta_swap/status``; None: nothing yet or unreachable)."""
-        return [(server_status(url) or {}).get("current_step") for url in self.server_urls]
+        return served_steps(self.server_urls)
 
     def wait_for_servers(self, step: int, timeout_s: float = 300.0) -> None:
         """Wait until every server serves ``step`` or a later one; TimeoutError (or the publish
         error that kept the step from the store) otherwise."""
-        deadline = time.monotonic() + timeout_s
-        statuses: list[dict[str, Any] | None] = []
-        while True:
-            statuses = [server_status(url) for url in self.server_urls]
-            if all(
-                s is not None and (s.get("current_step") is not None and s["current_step"] >= step) for s in statuses
-            ):
-                return
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        self.publisher.flush()  # a failed publish explains the wait best
-        where = "; ".join(
-            f"{url} serves step {s.get('current_step')} (last error: {s.get('last_error')})"
-            if s
-            else f"{url} unreachable"
-            for url, s in zip(self.server_urls, statuses)
-        )
-        raise TimeoutError(f"the servers did not reach step {step} in {timeout_s:.0f}s: {where}")
+        wait_for_servers(self.server_urls, step, timeout_s, before_timeout=self.publisher.flush)
 
     def shutdown(self) -> None:
         """Flush and stop this rank's publisher (raises if a step failed to publish)."""
         self.publisher.close()
-
-
-def server_status(url: str) -> dict[str, Any] | None:
-    """A delta-swap server's ``/delta_swap/status`` (None: unreachable, or not a delta-swap server)."""
-    import httpx
-
-    try:
-        response = httpx.get(f"{url}/delta_swap/status", timeout=10)
-        return response.json() if response.status_code == 200 else None
-    except (httpx.HTTPError, ValueError):
-        return None
-
-
-def _model_files(folder: str | None) -> dict[str, bytes]:
-    """The files of ``folder`` (top level) other than weights, by name."""
-    if not folder:
-        return {}
-    return {
-        p.name: p.read_bytes()
-        for p in sorted(Path(folder).iterdir())
-        if p.is_file() and not p.name.endswith(_WEIGHT_SUFFIXES) and not p.name.startswith(".")
-    }
 
 
 def register_trainer_engine() -> None:

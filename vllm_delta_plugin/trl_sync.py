@@ -13,7 +13,7 @@ keeps everything else and changes the sync::
 
 Constructing it puts a subclass of TRL's client in TRL's place (the one name TRL looks the client
 up by, ``trl.generation.vllm_generation.VLLMClient``; nothing else of TRL is touched, and the TRL
-versions it supports are pinned in :mod:`.compat`). That client still generates through the server
+versions it supports are pinned in :mod:`delta_swap.integrations.versions`). That client still generates through the server
 at ``vllm_server_base_url``, but it opens no NCCL group: each ``sync_weights`` publishes the
 trainer's weights as the trainer's global step, a full base every ``base_every`` steps and lossless
 deltas in between, signed with ``signing_key``, through the ``delta_swap`` trainer engine
@@ -36,8 +36,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from delta_swap.errors import ConfigError
-
-from .compat import check_version
+from delta_swap.integrations.versions import check_version
 
 log = logging.getLogger("vllm_delta_plugin")
 
@@ -90,7 +89,9 @@ class DeltaSwapSync(TrainerCallback):
 
     def attach(self, base_url: str) -> None:
         """Open the store for TRL's client of the server at ``base_url`` (its ``init_communicator``)."""
-        from .trainer_engine import DeltaSwapTrainerEngine, server_status
+        from delta_swap.integrations.servers import server_status
+
+        from .trainer_engine import DeltaSwapTrainerEngine
 
         if server_status(base_url.rstrip("/")) is None:
             raise ConfigError(

@@ -1,27 +1,78 @@
 """Publishing from a sharded trainer: every rank publishes a share of the tensors, whole.
 
 Under FSDP2 (``torch.distributed.fsdp.fully_shard``) or any trainer whose parameters are DTensors,
-each rank holds a slice of every parameter. Tensors are assigned to ranks round-robin by name;
-for each tensor in turn, every rank takes part in one gather (``DTensor.full_tensor``) and only its
-owner keeps the result, so a rank never holds more than one whole tensor beyond its share. Each
-rank then publishes its share with ``PublisherConfig(rank=..., world_size=...)``, and the last
-rank to finish commits the snapshot (see :mod:`delta_swap.commit`).
+each rank holds a slice of every parameter. Tensors are assigned to ranks round-robin; for each
+tensor in turn, every rank takes part in one gather (``DTensor.full_tensor``) and only its owner
+keeps the result, so a rank never holds more than one whole tensor beyond its share. Each rank
+then publishes its share with ``PublisherConfig(rank=..., world_size=...)``, and the last rank to
+finish commits the snapshot (see :mod:`delta_swap.commit`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
+
+
+def full_tensor(tensor: Any) -> Any:
+    """``tensor`` detached and whole: a DTensor is gathered (every rank must take part)."""
+    value = tensor.detach()
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+class Share:
+    """Collects this rank's share of a stream of (name, tensor), fed in the same order on every rank.
+
+    A tensor is this rank's when its position in the stream is ``rank`` modulo ``world_size``, or,
+    with ``held``, when its name is in ``held`` (a trainer that knows which tensors it holds).
+    Every tensor is materialized (a collective for a DTensor) and kept only by its owner, cast to
+    ``dtype`` when floating."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        dtype: Any = None,
+        *,
+        materialize: Callable[[Any], Any] = full_tensor,
+        held: Collection[str] | None = None,
+    ) -> None:
+        self.rank, self.world_size, self.dtype = rank, world_size, dtype
+        self.materialize = materialize
+        self.held = set(held) if held is not None else None
+        #: This rank's tensors so far, by name.
+        self.tensors: dict[str, Any] = {}
+        self._seen = 0
+
+    def add(self, name: str, tensor: Any) -> None:
+        """Take the next (name, tensor) of the stream (None: a tensor this source does not hold)."""
+        index, self._seen = self._seen, self._seen + 1
+        if tensor is None:
+            return
+        value = self.materialize(tensor)
+        mine = name in self.held if self.held is not None else index % self.world_size == self.rank
+        if mine:
+            cast = self.dtype is not None and value.is_floating_point() and value.dtype != self.dtype
+            self.tensors[name] = value.to(self.dtype) if cast else value
+
+
+def round_robin_share(
+    pairs: Iterable[tuple[str, Any]], rank: int, world_size: int, dtype: Any = None, **options: Any
+) -> dict[str, Any]:
+    """This rank's share of ``pairs`` (see :class:`Share`, which takes ``options``)."""
+    share = Share(rank, world_size, dtype, **options)
+    for name, tensor in pairs:
+        share.add(name, tensor)
+    return share.tensors
 
 
 def owned_tensors(named: Iterable[tuple[str, Any]], rank: int, world_size: int, dtype: Any = None) -> dict[str, Any]:
     """This rank's share of ``named`` (name, tensor or DTensor) as whole local tensors (cast to
-    ``dtype`` if given). Collective: every rank must call it with the same names in any order."""
+    ``dtype`` if given), dealt in name order. Collective: every rank must call it with the same
+    names in any order."""
     out = {}
     for i, (name, tensor) in enumerate(sorted(named, key=lambda item: item[0])):
-        value = tensor.detach()
-        if hasattr(value, "full_tensor"):  # a DTensor: gather it (every rank takes part)
-            value = value.full_tensor()
+        value = full_tensor(tensor)
         if i % world_size == rank:
             out[name] = value.to(dtype) if dtype is not None else value.clone()
     return out

