@@ -54,7 +54,8 @@ point here::
              testing/               RecordingAdapter, a complete adapter with no engine;
                                     engine_exactness, the suite every engine's tests subclass
     trainers integrations/          HF Trainer / TRL callback (hf_trainer), sharded (FSDP) ranks'
-                                    own tensors (sharded)
+                                    own tensors (sharded), the servers' status (servers), verl's
+                                    checkpoint engine (verl), supported versions (versions)
     tools    cli                    the ``delta-swap`` command
 
 Engine adapters live outside the core: ``vllm_delta_plugin`` and ``sglang_delta_plugin`` (each

@@ -1,0 +1,135 @@
+"""A verl actor's weight sync on CPU, with delta-swap's checkpoint engine: run by
+tests/test_verl_engine.py in the verl environment (scripts/verl_env.sh), as ``python -m``.
+
+Every rank (``torch.distributed`` over gloo, as verl's actor workers are) builds the engine from
+a verl config exactly as verl's actor worker does (``verl/workers/engine_workers.py``: the config
+node turned into verl's ``CheckpointEngineConfig``, ``import_external_libs`` of the custom
+backend module, ``CheckpointEngineRegistry.new(backend, is_master=..., bucket_size=...,
+**engine_kwargs)``), trains the model on the same batch (so every rank holds the same weights, as
+FSDP ranks see them through their gathers), and awaits ``send_weights`` with a per-tensor
+generator of the model's ``state_dict`` (verl's ``get_per_tensor_param`` yields the same names,
+tied ``lm_head.weight`` included). After step 2 it syncs step 2 again, as verl does after a
+validation. Rank 0 also builds the rollout side's engine as verl's ``CheckpointEngineWorker``
+does and reads its ``receive_weights`` through verl's ``ensure_async_iterator`` (as verl's vLLM
+adapter does).
+
+Every rank prints one JSON line per sync (its metrics and share); rank 0 writes the final weights
+(bf16, ``save_pretrained``) to ``--out``: what the servers must serve after the last step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+from typing import Any
+
+CONFIG = """
+backend: delta_swap
+custom_backend_module: delta_swap.integrations.verl
+update_weights_bucket_megabytes: 64
+engine_kwargs:
+  delta_swap:
+    store_url: {store}
+    base_every: {base_every}
+    signing_key: {key}
+    model_path: {model}
+    max_staleness: 0
+"""
+
+
+def build_engine(config_text: str, *, actor: bool, rank: int) -> Any:
+    """The checkpoint engine as verl's actor worker (``actor``) or CheckpointEngineWorker builds it."""
+    from omegaconf import OmegaConf
+    from verl.checkpoint_engine import CheckpointEngineRegistry
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.utils.import_utils import import_external_libs
+    from verl.workers.config import CheckpointEngineConfig
+
+    config = omega_conf_to_dataclass(OmegaConf.create(config_text), CheckpointEngineConfig)
+    bucket_size = config.update_weights_bucket_megabytes << 20
+    engine_kwargs = config.engine_kwargs.get(config.backend, {})
+    import_external_libs(config.custom_backend_module or None)
+    if actor:
+        return CheckpointEngineRegistry.new(
+            config.backend, is_master=(rank == 0), bucket_size=bucket_size, **engine_kwargs
+        )
+    return CheckpointEngineRegistry.new(config.backend, bucket_size=bucket_size, **engine_kwargs)
+
+
+def per_tensor_param(model: Any):  # -> Generator[tuple[str, torch.Tensor]]
+    """(name, tensor) of every state_dict entry, as verl's engines yield them (no dtype cast)."""
+    for name, tensor in model.state_dict().items():
+        yield name, tensor.detach()
+
+
+async def rollout_side(engine: Any, step: int) -> list[Any]:
+    """What a rollout worker hands its server adapter for ``step`` (verl's own iterator)."""
+    from verl.workers.rollout.utils import ensure_async_iterator
+
+    return [item async for item in ensure_async_iterator(engine.receive_weights(global_steps=step))]
+
+
+def run_rank(rank: int, args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    dist.init_process_group("gloo", rank=rank, world_size=args.world_size)
+    text = CONFIG.format(store=args.store, base_every=args.base_every, key=args.key, model=args.model)
+    engine = build_engine(text, actor=True, rank=rank)
+    rollout = build_engine(text, actor=False, rank=rank) if rank == 0 else None
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    batch = torch.randint(3, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    syncs = list(range(1, args.steps + 1))
+    syncs.insert(2, 2)  # verl syncs step 2 again after a validation: drained, not published again
+    trained = 0
+    for step in syncs:
+        while trained < step:
+            loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            trained += 1
+        metrics = asyncio.run(engine.send_weights(per_tensor_param(model), global_steps=step))
+        received = asyncio.run(rollout_side(rollout, step)) if rollout is not None else []
+        engine.finalize()
+        line = {"rank": rank, "step": step, "metrics": metrics, "received": len(received), "share": engine.last_names}
+        print(json.dumps(line), flush=True)
+    engine.flush()
+    if rank == 0:
+        model.to(torch.bfloat16).save_pretrained(args.out)
+        kinds = {
+            "engine": type(engine).__module__ + "." + type(engine).__qualname__,
+            "wire_format": engine.wire_format,
+        }
+        print(json.dumps(kinds), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--store", required=True)
+    parser.add_argument("--key", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--base-every", type=int, default=3)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--world-size", type=int, default=2)
+    args = parser.parse_args()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(sock.getsockname()[1]))
+    import torch.multiprocessing as mp
+
+    mp.spawn(run_rank, args=(args,), nprocs=args.world_size, join=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""verl 0.9's checkpoint-engine interface with delta-swap's ``delta_swap`` backend, on CPU.
+
+verl pins transformers below what vLLM 0.32 needs, so it runs in its own environment
+(scripts/verl_env.sh: verl and its pins, layered on the project's environment). verl's checkpoint
+engines, registry and config import there without a GPU; its trainer (Ray workers over FSDP) and
+its rollout servers are not started: tests/support/verl_trainer.py builds the engine on two gloo
+ranks exactly as verl's actor worker and CheckpointEngineWorker do and drives it with a trained
+model's weights. What the servers would serve is what ``delta-swap pull`` rebuilds from the store
+(the same fetch, verify and decode a server runs); engine swaps of such chains are tested against
+fresh servers in the engine suites.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from delta_swap.errors import ConfigError
+from delta_swap.integrations import versions
+from delta_swap.signing import generate_keypair
+from examples.tiny_model import make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def verl_python() -> str:
+    """The verl environment's interpreter (built once by scripts/verl_env.sh, then cached)."""
+    built = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "verl_env.sh")], check=True, capture_output=True, text=True, timeout=900
+    )
+    return str(Path(built.stdout.strip().splitlines()[-1]) / "bin" / "python")
+
+
+def run_in_verl(python: str, *args: str, timeout: float = 300) -> str:
+    """Run ``python *args`` from the checkout (this checkout's code first on its path) and return
+    its stdout; fail with its stderr's tail if it fails."""
+    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)
+    done = subprocess.run(
+        [python, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": path},
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout
+
+
+PROBE = """
+import asyncio, json, torch
+import verl
+from verl.checkpoint_engine import CheckpointEngine, CheckpointEngineRegistry
+from verl.utils.import_utils import import_external_libs
+import_external_libs("delta_swap.integrations.verl")
+from delta_swap.errors import ConfigError
+from delta_swap.integrations.verl import DeltaSwapCheckpointEngine
+
+from verl.workers.rollout.utils import ensure_async_iterator
+
+async def collect(items):
+    return [item async for item in items]
+
+engine_cls = CheckpointEngineRegistry.get("delta_swap")
+engine = CheckpointEngineRegistry.new("delta_swap", bucket_size=1 << 20, store_url="file:///nonexistent/store")
+errors = []
+for kwargs in ({"store_url": "file:///tmp/x", "base_evry": 3}, {"base_every": 3}):
+    try:
+        CheckpointEngineRegistry.new("delta_swap", bucket_size=1 << 20, **kwargs)
+    except ConfigError as exc:
+        errors.append(str(exc))
+print(json.dumps({
+    "verl": verl.__version__,
+    "cuda": torch.cuda.is_available(),
+    "registered": engine_cls is DeltaSwapCheckpointEngine,
+    "subclass": issubclass(engine_cls, CheckpointEngine),
+    "abstract_left": sorted(engine_cls.__abstractmethods__),
+    # verl's SGLang adapter iterates the rollout side's flushes with `for`, its vLLM adapter async
+    "received_sync": list(engine.receive_weights(global_steps=1)),
+    "received_async": asyncio.run(collect(ensure_async_iterator(engine.receive_weights(global_steps=1)))),
+    "topology": engine_cls.build_topology(2, 4, [{}] * 6),
+    "errors": errors,
+}))
+"""
+
+
+def test_engine_registers_with_verl_and_implements_its_abstract_base(verl_python: str) -> None:
+    found = json.loads(run_in_verl(verl_python, "-c", PROBE).strip().splitlines()[-1])
+    assert versions.is_supported(found["verl"], "verl"), found["verl"]
+    assert found["cuda"] is False  # verl's checkpoint engines import and run here without a GPU
+    assert found["registered"] and found["subclass"] and found["abstract_left"] == []
+    assert found["received_sync"] == [] and found["received_async"] == []
+    assert found["topology"] == [{}, {}]  # no process group between trainer and servers
+    unknown, missing = found["errors"]
+    assert "unknown base_evry" in unknown and "\n" not in unknown
+    assert "store_url is required" in missing
+
+
+def test_unsupported_verl_fails_in_one_line() -> None:
+    assert versions.is_supported("0.9.1", "verl") and not versions.is_supported("0.10.0", "verl")
+    with pytest.raises(ConfigError) as raised:
+        versions.check_version("verl", "0.10.0")
+    assert "verl 0.10.0" in str(raised.value) and "verl>=0.9,<0.10" in str(raised.value)
+    pins = [line for line in (ROOT / "requirements" / "verl.txt").read_text().splitlines() if line.startswith("verl==")]
+    assert pins and all(versions.is_supported(line.split("==")[1], "verl") for line in pins), pins
+
+
+def test_actor_ranks_publish_every_sync_and_the_store_rebuilds_the_trained_weights(
+    verl_python: str, tmp_path: Path
+) -> None:
+    model = make_tiny_model(tmp_path / "model", family="qwen3")  # tied embeddings: lm_head is not a tensor
+    key, public = generate_keypair(tmp_path / "trainer.key")
+    store = f"file://{tmp_path / 'store'}"
+    out = run_in_verl(
+        verl_python,
+        *("-m", "tests.support.verl_trainer", "--model", str(model), "--store", store, "--key", str(key)),
+        *("--out", str(tmp_path / "final"), "--steps", "4", "--base-every", "3", "--world-size", "2"),
+    )
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    syncs = [line for line in lines if "step" in line]
+    for rank in (0, 1):
+        mine = [s for s in syncs if s["rank"] == rank]
+        assert [s["step"] for s in mine] == [1, 2, 2, 3, 4]  # step 2 synced twice (after a validation)
+        assert [s["metrics"]["delta_swap/step"] for s in mine] == [1, 2, 2, 3, 4]
+        assert all(s["received"] == 0 for s in mine)  # nothing travels through verl to the rollout side
+    assert {"engine": "delta_swap.integrations.verl.DeltaSwapCheckpointEngine", "wire_format": "delta_flush"} in lines
+
+    # every sync is one snapshot (the repeated step is not published again), signed; base, deltas, base
+    chain = json.loads(_cli("inspect", "--store", store, "--trusted-key", str(public), "--json"))
+    assert [(s["step"], s["kind"]) for s in chain] == [(1, "base"), (2, "delta"), (3, "delta"), (4, "base")]
+
+    # each rank published its own half, whole tensors: together the checkpoint's names, tied head left out
+    final = load_file(str(tmp_path / "final" / "model.safetensors"))
+    shares = [set(next(s["share"] for s in syncs if s["rank"] == r and s["step"] == 4)) for r in (0, 1)]
+    assert shares[0] and shares[1] and not shares[0] & shares[1]
+    assert shares[0] | shares[1] == set(final) == set(load_file(str(model / "model.safetensors")))
+    assert "lm_head.weight" not in final
+
+    # what a server rebuilds from the store is the trainer's bf16 weights after the last step, bit for bit
+    _cli("pull", "--store", store, "--out", str(tmp_path / "pulled"), "--trusted-key", str(public), "--quiet")
+    pulled = load_file(str(tmp_path / "pulled" / "model.safetensors"))
+    assert set(pulled) == set(final)
+    for name, tensor in final.items():
+        assert pulled[name].dtype == tensor.dtype == torch.bfloat16
+        assert torch.equal(pulled[name].view(torch.int16), tensor.view(torch.int16)), name
+    first = load_file(str(model / "model.safetensors"))
+    assert any(not torch.equal(first[n], final[n]) for n in final)  # training moved the weights
+    assert json.loads((tmp_path / "pulled" / "config.json").read_text())["tie_word_embeddings"] is True
+
+
+def _cli(*args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "delta_swap.cli", *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
