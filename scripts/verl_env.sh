@@ -22,8 +22,9 @@ if [ ! -f "$venv/.complete" ]; then
   # addsitedir, not a bare path: the base's own .pth files (this project, editable) count too.
   echo "import site; site.addsitedir('$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')')" \
     >"$site/delta_swap_base_env.pth"
-  # The base environment's pip installs into this one: its own packages shadow the base's.
-  "$py" -m pip --python "$venv/bin/python" install -q -r "$root/requirements/verl.txt" >&2
+  # The base environment's pip installs into this one: its own packages shadow the base's. pip
+  # would list vLLM's pins that verl's transformers breaks; vLLM never runs from here.
+  "$py" -m pip --python "$venv/bin/python" install -q --no-warn-conflicts -r "$root/requirements/verl.txt" >&2
   touch "$venv/.complete"
 fi
 echo "$venv"

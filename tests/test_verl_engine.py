@@ -3,11 +3,12 @@
 verl pins transformers below what vLLM 0.32 needs, so it runs in its own environment
 (scripts/verl_env.sh: verl and its pins, layered on the project's environment). verl's checkpoint
 engines, registry and config import there without a GPU; its trainer (Ray workers over FSDP) and
-its rollout servers are not started: tests/support/verl_trainer.py builds the engine on two gloo
-ranks exactly as verl's actor worker and CheckpointEngineWorker do and drives it with a trained
-model's weights. What the servers would serve is what ``delta-swap pull`` rebuilds from the store
-(the same fetch, verify and decode a server runs); engine swaps of such chains are tested against
-fresh servers in the engine suites.
+its own rollout servers are not started: tests/support/verl_trainer.py builds the engine on two
+gloo ranks exactly as verl's actor worker and CheckpointEngineWorker do and drives it with a
+trained model's weights, while a real vLLM server with the plugin follows the store (the engine
+waits for it: ``max_staleness: 0``). After the last step the server's prompt logprobs must equal
+a fresh server's on the trainer's final checkpoint, and ``delta-swap pull`` must rebuild that
+checkpoint bit for bit.
 """
 
 from __future__ import annotations
@@ -115,16 +116,43 @@ def test_unsupported_verl_fails_in_one_line() -> None:
     assert pins and all(versions.is_supported(line.split("==")[1], "verl") for line in pins), pins
 
 
-def test_actor_ranks_publish_every_sync_and_the_store_rebuilds_the_trained_weights(
-    verl_python: str, tmp_path: Path
-) -> None:
-    model = make_tiny_model(tmp_path / "model", family="qwen3")  # tied embeddings: lm_head is not a tensor
-    key, public = generate_keypair(tmp_path / "trainer.key")
-    store = f"file://{tmp_path / 'store'}"
+@pytest.fixture(scope="module")
+def follower(tmp_path_factory):
+    """One vLLM server with the plugin following an empty store, on a tiny Qwen3 (tied embeddings)."""
+    from examples.servers import vllm as vllm_server
+
+    work = tmp_path_factory.mktemp("verl")
+    model_dir = make_tiny_model(work / "init", family="qwen3")
+    (work / "store").mkdir()
+    key, public = generate_keypair(work / "trainer.key")
+    settings = {
+        "store": (work / "store").as_uri(),
+        "trusted_key": str(public),
+        "poll_interval": 0.2,
+        "swap_path": "reload",
+        "admin_open_loopback": True,
+    }
+    server = vllm_server.start(model_dir, work, settings=settings, served_name="tiny", log_name="plugin.log")
+    try:
+        yield server, model_dir, work, key, public
+    finally:
+        server.stop()
+
+
+@pytest.mark.engine
+def test_actor_ranks_publish_every_sync_and_a_server_ends_on_the_trained_weights(verl_python: str, follower) -> None:
+    from delta_swap.testing.engine_exactness import PROMPTS
+    from tests.support.trainers import fresh_server_logprobs, write_checkpoint
+    from tests.test_vllm_exactness import completion_logprobs
+
+    server, model, work, key, public = follower
+    store = (work / "store").as_uri()
+    before = [completion_logprobs(server.url, p) for p in PROMPTS]
     out = run_in_verl(
         verl_python,
         *("-m", "tests.support.verl_trainer", "--model", str(model), "--store", store, "--key", str(key)),
-        *("--out", str(tmp_path / "final"), "--steps", "4", "--base-every", "3", "--world-size", "2"),
+        *("--out", str(work / "final"), "--steps", "4", "--base-every", "3", "--world-size", "2"),
+        *("--server-url", server.url),
     )
     lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     syncs = [line for line in lines if "step" in line]
@@ -133,29 +161,36 @@ def test_actor_ranks_publish_every_sync_and_the_store_rebuilds_the_trained_weigh
         assert [s["step"] for s in mine] == [1, 2, 2, 3, 4]  # step 2 synced twice (after a validation)
         assert [s["metrics"]["delta_swap/step"] for s in mine] == [1, 2, 2, 3, 4]
         assert all(s["received"] == 0 for s in mine)  # nothing travels through verl to the rollout side
+    # max_staleness 0: each sync returned with the server on that step
+    assert [s["served"] for s in syncs if s["rank"] == 0] == [[1], [2], [2], [3], [4]]
     assert {"engine": "delta_swap.integrations.verl.DeltaSwapCheckpointEngine", "wire_format": "delta_flush"} in lines
+    served = [completion_logprobs(server.url, p) for p in PROMPTS]
 
     # every sync is one snapshot (the repeated step is not published again), signed; base, deltas, base
     chain = json.loads(_cli("inspect", "--store", store, "--trusted-key", str(public), "--json"))
     assert [(s["step"], s["kind"]) for s in chain] == [(1, "base"), (2, "delta"), (3, "delta"), (4, "base")]
 
     # each rank published its own half, whole tensors: together the checkpoint's names, tied head left out
-    final = load_file(str(tmp_path / "final" / "model.safetensors"))
+    final = load_file(str(work / "final" / "model.safetensors"))
     shares = [set(next(s["share"] for s in syncs if s["rank"] == r and s["step"] == 4)) for r in (0, 1)]
     assert shares[0] and shares[1] and not shares[0] & shares[1]
     assert shares[0] | shares[1] == set(final) == set(load_file(str(model / "model.safetensors")))
     assert "lm_head.weight" not in final
 
-    # what a server rebuilds from the store is the trainer's bf16 weights after the last step, bit for bit
-    _cli("pull", "--store", store, "--out", str(tmp_path / "pulled"), "--trusted-key", str(public), "--quiet")
-    pulled = load_file(str(tmp_path / "pulled" / "model.safetensors"))
+    # what the store rebuilds is the trainer's bf16 weights after the last step, bit for bit
+    _cli("pull", "--store", store, "--out", str(work / "pulled"), "--trusted-key", str(public), "--quiet")
+    pulled = load_file(str(work / "pulled" / "model.safetensors"))
     assert set(pulled) == set(final)
     for name, tensor in final.items():
         assert pulled[name].dtype == tensor.dtype == torch.bfloat16
         assert torch.equal(pulled[name].view(torch.int16), tensor.view(torch.int16)), name
-    first = load_file(str(model / "model.safetensors"))
-    assert any(not torch.equal(first[n], final[n]) for n in final)  # training moved the weights
-    assert json.loads((tmp_path / "pulled" / "config.json").read_text())["tie_word_embeddings"] is True
+    assert json.loads((work / "pulled" / "config.json").read_text())["tie_word_embeddings"] is True
+
+    # and the server serves exactly what a fresh server started on that checkpoint serves
+    last = write_checkpoint(model, work / "step-4", final)  # the servers' config and tokenizer, trained weights
+    expected = fresh_server_logprobs(last, work, settings={"swap_path": "reload"})
+    assert expected != before, "four optimizer steps change no logprob: the check could not fail"
+    assert served == expected
 
 
 def _cli(*args: str) -> str:

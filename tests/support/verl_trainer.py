@@ -13,8 +13,10 @@ validation. Rank 0 also builds the rollout side's engine as verl's ``CheckpointE
 does and reads its ``receive_weights`` through verl's ``ensure_async_iterator`` (as verl's vLLM
 adapter does).
 
-Every rank prints one JSON line per sync (its metrics and share); rank 0 writes the final weights
-(bf16, ``save_pretrained``) to ``--out``: what the servers must serve after the last step.
+With ``--server-url``, rank 0's ``send_weights`` returns once those servers serve the step
+(``max_staleness: 0``). Every rank prints one JSON line per sync (its metrics and share; rank 0
+also the steps the servers serve); rank 0 writes the final weights (bf16, ``save_pretrained``) to
+``--out``: what the servers must serve after the last step.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ engine_kwargs:
     base_every: {base_every}
     signing_key: {key}
     model_path: {model}
+    server_urls: {servers}
     max_staleness: 0
 """
 
@@ -77,8 +80,11 @@ def run_rank(rank: int, args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
+    from delta_swap.integrations.servers import served_steps
+
     dist.init_process_group("gloo", rank=rank, world_size=args.world_size)
-    text = CONFIG.format(store=args.store, base_every=args.base_every, key=args.key, model=args.model)
+    servers = json.dumps(args.server_url)  # a YAML flow list
+    text = CONFIG.format(store=args.store, base_every=args.base_every, key=args.key, model=args.model, servers=servers)
     engine = build_engine(text, actor=True, rank=rank)
     rollout = build_engine(text, actor=False, rank=rank) if rank == 0 else None
     torch.manual_seed(0)
@@ -99,6 +105,8 @@ def run_rank(rank: int, args: argparse.Namespace) -> None:
         received = asyncio.run(rollout_side(rollout, step)) if rollout is not None else []
         engine.finalize()
         line = {"rank": rank, "step": step, "metrics": metrics, "received": len(received), "share": engine.last_names}
+        if rank == 0:  # with max_staleness 0, the servers serve this step when send_weights returns
+            line["served"] = served_steps(args.server_url)
         print(json.dumps(line), flush=True)
     engine.flush()
     if rank == 0:
@@ -122,6 +130,7 @@ def main() -> None:
     parser.add_argument("--base-every", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--server-url", action="append", default=[], help="a server following the store")
     args = parser.parse_args()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
