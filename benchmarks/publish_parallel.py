@@ -2,6 +2,7 @@
 and ``delta-swap publish`` per step with and without its head cache.
 
     PYTHONPATH=$(bash scripts/import_root.sh):. python -m benchmarks.publish_parallel [--layers 4] [--steps 3]
+        [--ranks 2] [--load N]
 
 A synthetic Llama-shaped bf16 model (hidden 1024, MLP 2816, vocab 8192; ``--layers 4`` is ~124 MB)
 is trained by an Adam-like update of fp32 master weights (every element moves by about ``--lr``,
@@ -15,6 +16,14 @@ benchmarks/rl_corpus.py). Step 0 is published as a base (not timed); each later 
 * cli: ``python -m delta_swap.cli publish <checkpoint folder>`` per step, a process each (Python
   start, imports, reading the folder, the head, encode, upload, commit), with ``--no-head-cache``
   (the head is rebuilt from the store every step) and with a head cache.
+
+* ranks: ``--ranks N`` gloo ranks (a process each, one encode thread each), each publishing its
+  round-robin share of the same step (``PublisherConfig(rank=r, world_size=N)``; the last rank to
+  finish commits), timed from a barrier before the publish to a barrier after every rank's flush:
+  the multi-rank publisher of a sharded trainer, against one rank on one thread.
+
+``--load N`` runs N busy processes (``nice 10``, as the fleet benchmark's servers are) for the
+whole run: the trainer of a host whose cores also serve.
 
 Also timed: one large tensor's delta encoded twice on one thread, then once on each of two threads
 at the same time (the codec's numba kernels run without the GIL, so two threads should take about
@@ -186,6 +195,82 @@ def _measure_queued(shapes: dict, steps: int, threads: int, lr: float, work: Pat
     }
 
 
+def measure_ranks(shapes: dict, steps: int, world: int, lr: float, work: Path) -> dict:
+    """Seconds per delta step with ``world`` gloo ranks, each encoding its share on one thread;
+    the payload of the committed snapshots and the largest peak RSS of a rank."""
+    import asyncio
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from delta_swap.chain import ChainReader
+    from delta_swap.stores import FileStore
+
+    store, out = work / f"ranks-{world}", work / f"ranks-{world}-results"
+    for folder in (store, out):
+        shutil.rmtree(folder, ignore_errors=True)
+    out.mkdir(parents=True)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_rank_main, args=(world, shapes, steps, lr, str(store), port, str(out)), nprocs=world, join=True)
+    results = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(world)]
+    manifests = asyncio.run(ChainReader(FileStore(store)).list())[1:]
+    assert [m.kind for m in manifests] == ["delta"] * steps
+    return {
+        "mode": f"ranks x{world}",
+        "threads": 1,
+        "seconds": [max(col) for col in zip(*(r["seconds"] for r in results))],
+        "payload_bytes": [m.payload_bytes for m in manifests],
+        "model_bytes": manifests[-1].model_bytes,
+        "rss_before_mb": max(r["rss_before_mb"] for r in results),
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in results),
+    }
+
+
+def _rank_main(rank: int, world: int, shapes: dict, steps: int, lr: float, store: str, port: int, out: str) -> None:
+    """One rank of :func:`measure_ranks` (every rank makes the same steps: same seed)."""
+    import torch.distributed as dist
+
+    from delta_swap.integrations.sharded import round_robin_share
+    from delta_swap.publisher import Publisher, PublisherConfig
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    trainer = SyntheticTrainer(shapes, lr)
+    config = PublisherConfig(base_every=10_000, encode_threads=1, rank=rank, world_size=world)
+    seconds = []
+    with Publisher(store, config) as pub:
+        pub.publish(0, round_robin_share(trainer.state().items(), rank, world))
+        pub.flush()
+        rss_before = _rss_mb()
+        for step in range(1, steps + 1):
+            trainer.advance()
+            share = round_robin_share(trainer.state().items(), rank, world)
+            dist.barrier()
+            start = time.perf_counter()
+            pub.publish(step, share)
+            pub.flush()
+            dist.barrier()  # the step is committed once the last rank's flush returns
+            seconds.append(time.perf_counter() - start)
+            del share
+    result = {"seconds": seconds, "rss_before_mb": rss_before, "peak_rss_mb": _peak_rss_mb()}
+    (Path(out) / f"rank-{rank}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def start_load(n: int) -> list[subprocess.Popen]:
+    """``n`` busy processes at nice 10 (stopped by :func:`stop_load`)."""
+    busy = [sys.executable, "-c", "import os; os.nice(10)\nwhile True: pass"]
+    return [subprocess.Popen(busy) for _ in range(n)]
+
+
+def stop_load(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
 def _write_checkpoint(state: dict[str, torch.Tensor], folder: Path) -> None:
     from safetensors.torch import save_file
 
@@ -317,6 +402,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed delta steps per configuration")
     parser.add_argument("--lr", type=float, default=1e-5, help="Adam-like step size of the master weights")
     parser.add_argument("--threads", type=int, nargs="+", help="encode threads to compare (default: 1 and all cores)")
+    parser.add_argument("--ranks", type=int, default=2, help="gloo ranks of the multi-rank row (0: none)")
+    parser.add_argument("--load", type=int, default=0, help="busy processes at nice 10 during the run")
     parser.add_argument("--workdir")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)  # one library run, as JSON
     parser.add_argument("--queued", action="store_true", help=argparse.SUPPRESS)
@@ -326,6 +413,18 @@ def main() -> None:
     if args.child is not None:
         print(json.dumps(measure_library(shapes, args.steps, args.child, args.lr, work, args.queued)))
         return
+    load_procs = start_load(args.load)
+    try:
+        _run(args, shapes, work)
+    finally:
+        stop_load(load_procs)
+    if not args.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, shapes: dict, work: Path) -> None:
+    if args.load:
+        print(f"load: {args.load} busy processes at nice 10 for the whole run")
     for line in machine():
         print(line)
     nbytes = sum(int(np.prod(s)) * 2 for s in shapes.values())
@@ -353,14 +452,15 @@ def main() -> None:
         out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=3600).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
         print(summarize(rows)[-1], flush=True)
+    if args.ranks:
+        rows.append(measure_ranks(shapes, args.steps, args.ranks, args.lr, work))
+        print(summarize(rows)[-1], flush=True)
     for cached in (False, True):
         rows.append(measure_cli(shapes, args.steps, args.lr, work, head_cache=cached))
         print(summarize(rows)[-1], flush=True)
     print("\n".join(summarize(rows)))
     load = os.getloadavg()
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the end")
-    if not args.workdir:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """A CI-sized run of the parallel-publish benchmark (benchmarks/publish_parallel.py): a tiny
-Llama-shaped model, the library on 1 and 2 encode threads, ``delta-swap publish`` with its head
-cache, the GIL check, the machine header and the table.
+Llama-shaped model, the library on 1 and 2 encode threads and on 2 gloo ranks, ``delta-swap
+publish`` with its head cache, the busy load, the GIL check, the machine header and the table.
 
 It checks that every configuration ran and that the thread count changes nothing of what is
 stored, not this machine's speed."""
 
 from __future__ import annotations
+
+import asyncio
 
 from benchmarks import publish_parallel as bench
 
@@ -21,6 +23,42 @@ def test_library_rows_store_the_same_payload_on_any_thread_count(tmp_path) -> No
     header, *lines = bench.summarize(rows)
     assert "s/step" in header and "peak RSS MB" in header
     assert [line.split()[:2] for line in lines] == [["library", "1"], ["library", "2"]]
+
+
+def test_two_ranks_commit_the_same_snapshots_as_one(tmp_path) -> None:
+    one = bench.measure_library(SHAPES, 2, 1, 1e-4, tmp_path)
+    ranks = bench.measure_ranks(SHAPES, 2, 2, 1e-4, tmp_path)
+    assert ranks["mode"] == "ranks x2" and len(ranks["seconds"]) == 2 and ranks["peak_rss_mb"] > 0
+    assert ranks["model_bytes"] == one["model_bytes"]
+    # each rank writes a shard of its own, so payloads differ by shard headers; the weights do not
+    assert all(abs(a - b) < 64 for a, b in zip(ranks["payload_bytes"], one["payload_bytes"]))
+    states = [asyncio.run(_last_state(tmp_path / name)) for name in ("library-1", "ranks-2")]
+    assert sorted(states[0]) == sorted(states[1])
+    assert all(bytes(states[0][n].data) == bytes(states[1][n].data) for n in states[0])
+
+
+async def _last_state(folder):
+    from delta_swap.chain import ChainReader
+    from delta_swap.rebuild import rebuild
+    from delta_swap.stores import FileStore
+
+    store = FileStore(folder)
+    reader = ChainReader(store)
+    last = (await reader.list())[-1]
+    return (await rebuild(store, last.snapshot_id, reader=reader))[1]
+
+
+def test_load_processes_run_niced_and_stop() -> None:
+    import os
+    import time
+
+    procs = bench.start_load(1)
+    try:
+        time.sleep(0.5)
+        assert procs[0].poll() is None and os.getpriority(os.PRIO_PROCESS, procs[0].pid) == 10
+    finally:
+        bench.stop_load(procs)
+    assert procs[0].poll() is not None
 
 
 def test_cli_row_uses_the_head_cache(tmp_path) -> None:
