@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 from safetensors.torch import load_file
 
@@ -30,7 +31,7 @@ from examples.tiny_model import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = pytest.mark.timeout(1800)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def verl_python() -> str:
     return str(Path(built.stdout.strip().splitlines()[-1]) / "bin" / "python")
 
 
-def run_in_verl(python: str, *args: str, timeout: float = 300) -> str:
+def run_in_verl(python: str, *args: str, timeout: float = 900) -> str:
     """Run ``python *args`` from the checkout (this checkout's code first on its path) and return
     its stdout; fail with its stderr's tail if it fails."""
     path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)
@@ -73,9 +74,15 @@ async def collect(items):
     return [item async for item in items]
 
 engine_cls = CheckpointEngineRegistry.get("delta_swap")
-engine = CheckpointEngineRegistry.new("delta_swap", bucket_size=1 << 20, store_url="file:///nonexistent/store")
+engine = CheckpointEngineRegistry.new(
+    "delta_swap", bucket_size=1 << 20, store_url="file:///nonexistent/store", model_path=MODEL
+)
 errors = []
-for kwargs in ({"store_url": "file:///tmp/x", "base_evry": 3}, {"base_every": 3}):
+for kwargs in (
+    {"store_url": "file:///tmp/x", "model_path": MODEL, "base_evry": 3},
+    {"model_path": MODEL},
+    {"store_url": "file:///tmp/x", "model_path": MODEL + "/missing"},
+):
     try:
         CheckpointEngineRegistry.new("delta_swap", bucket_size=1 << 20, **kwargs)
     except ConfigError as exc:
@@ -95,16 +102,18 @@ print(json.dumps({
 """
 
 
-def test_engine_registers_with_verl_and_implements_its_abstract_base(verl_python: str) -> None:
-    found = json.loads(run_in_verl(verl_python, "-c", PROBE).strip().splitlines()[-1])
+def test_engine_registers_with_verl_and_implements_its_abstract_base(verl_python: str, tmp_path: Path) -> None:
+    model = make_tiny_model(tmp_path / "model", family="qwen3")
+    found = json.loads(run_in_verl(verl_python, "-c", f"MODEL = {str(model)!r}\n" + PROBE).strip().splitlines()[-1])
     assert versions.is_supported(found["verl"], "verl"), found["verl"]
     assert found["cuda"] is False  # verl's checkpoint engines import and run here without a GPU
     assert found["registered"] and found["subclass"] and found["abstract_left"] == []
     assert found["received_sync"] == [] and found["received_async"] == []
     assert found["topology"] == [{}, {}]  # no process group between trainer and servers
-    unknown, missing = found["errors"]
+    unknown, missing, not_a_folder = found["errors"]
     assert "unknown base_evry" in unknown and "\n" not in unknown
     assert "store_url is required" in missing
+    assert "missing is not a folder" in not_a_folder
 
 
 def test_unsupported_verl_fails_in_one_line() -> None:
@@ -112,8 +121,12 @@ def test_unsupported_verl_fails_in_one_line() -> None:
     with pytest.raises(ConfigError) as raised:
         versions.check_version("verl", "0.10.0")
     assert "verl 0.10.0" in str(raised.value) and "verl>=0.9,<0.10" in str(raised.value)
+    with pytest.raises(ConfigError, match="verl, which is not installed: install 'verl>=0.9,<0.10'"):
+        versions.check_version("verl")  # the project's environment has no verl
     pins = [line for line in (ROOT / "requirements" / "verl.txt").read_text().splitlines() if line.startswith("verl==")]
-    assert pins and all(versions.is_supported(line.split("==")[1], "verl") for line in pins), pins
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["verl"]
+    pins += [pin for pin in extra if pin.startswith("verl==")]
+    assert len(pins) == 2 and all(versions.is_supported(line.split("==")[1], "verl") for line in pins), pins
 
 
 @pytest.fixture(scope="module")
@@ -148,31 +161,39 @@ def test_actor_ranks_publish_every_sync_and_a_server_ends_on_the_trained_weights
     server, model, work, key, public = follower
     store = (work / "store").as_uri()
     before = [completion_logprobs(server.url, p) for p in PROMPTS]
-    out = run_in_verl(
-        verl_python,
-        *("-m", "tests.support.verl_trainer", "--model", str(model), "--store", store, "--key", str(key)),
-        *("--out", str(work / "final"), "--steps", "4", "--base-every", "3", "--world-size", "2"),
-        *("--server-url", server.url),
-    )
-    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    syncs = [line for line in lines if "step" in line]
-    for rank in (0, 1):
-        mine = [s for s in syncs if s["rank"] == rank]
-        assert [s["step"] for s in mine] == [1, 2, 2, 3, 4]  # step 2 synced twice (after a validation)
-        assert [s["metrics"]["delta_swap/step"] for s in mine] == [1, 2, 2, 3, 4]
-        assert all(s["received"] == 0 for s in mine)  # nothing travels through verl to the rollout side
-    # max_staleness 0: each sync returned with the server on that step
-    assert [s["served"] for s in syncs if s["rank"] == 0] == [[1], [2], [2], [3], [4]]
-    assert {"engine": "delta_swap.integrations.verl.DeltaSwapCheckpointEngine", "wire_format": "delta_flush"} in lines
+    common = ("--store", store, "--key", str(key), "--checkpoint", str(model), "--base-every", "3")
+    common += ("--world-size", "2", "--server-url", server.url)
+    trainer = ("-m", "tests.support.verl_trainer")
+    first = _lines(run_in_verl(verl_python, *trainer, *common, "--model", str(model), "--out", str(work / "run1")))
+    # a restarted verl run: it loads the step-4 checkpoint, syncs step 4 again, then trains 5 and 6
+    run1 = str(work / "run1")
+    args = ("--model", run1, "--out", str(work / "run2"), "--first", "5", "--last", "6", "--resume")
+    second = _lines(run_in_verl(verl_python, *trainer, *common, *args))
+
+    for lines, steps in ((first, [1, 2, 2, None, 3, 4]), (second, [4, 5, 6])):
+        syncs = [line for line in lines if "rank" in line]
+        for rank in (0, 1):
+            mine = [s for s in syncs if s["rank"] == rank]
+            assert [s["step"] for s in mine] == steps
+            assert all(s["received"] == 0 for s in mine)  # nothing travels through verl to the rollout side
+            # verl merges every rank's metrics into one dict: only rank 0 reports
+            assert all(bool(s["metrics"]) == (rank == 0) for s in mine)
+        ours = [s for s in syncs if s["rank"] == 0]
+        # a sync with no step re-syncs the last one; max_staleness 0: each sync returned with the server on it
+        assert [s["metrics"]["delta_swap/step"] for s in ours] == [s if s is not None else 2 for s in steps]
+        assert [s["served"] for s in ours] == [[s if s is not None else 2] for s in steps]
+        engine = {"engine": "delta_swap.integrations.verl.DeltaSwapCheckpointEngine", "wire_format": "delta_flush"}
+        assert engine in lines
     served = [completion_logprobs(server.url, p) for p in PROMPTS]
 
-    # every sync is one snapshot (the repeated step is not published again), signed; base, deltas, base
+    # every step once (syncs of a published step publish nothing), signed; base, deltas, base, deltas
     chain = json.loads(_cli("inspect", "--store", store, "--trusted-key", str(public), "--json"))
-    assert [(s["step"], s["kind"]) for s in chain] == [(1, "base"), (2, "delta"), (3, "delta"), (4, "base")]
+    kinds = ["base", "delta", "delta", "base", "delta", "delta"]
+    assert [(s["step"], s["kind"]) for s in chain] == list(zip(range(1, 7), kinds))
 
     # each rank published its own half, whole tensors: together the checkpoint's names, tied head left out
-    final = load_file(str(work / "final" / "model.safetensors"))
-    shares = [set(next(s["share"] for s in syncs if s["rank"] == r and s["step"] == 4)) for r in (0, 1)]
+    final = load_file(str(work / "run2" / "model.safetensors"))
+    shares = [set(next(s["share"] for s in first if s.get("rank") == r and s["step"] == 4)) for r in (0, 1)]
     assert shares[0] and shares[1] and not shares[0] & shares[1]
     assert shares[0] | shares[1] == set(final) == set(load_file(str(model / "model.safetensors")))
     assert "lm_head.weight" not in final
@@ -187,10 +208,14 @@ def test_actor_ranks_publish_every_sync_and_a_server_ends_on_the_trained_weights
     assert json.loads((work / "pulled" / "config.json").read_text())["tie_word_embeddings"] is True
 
     # and the server serves exactly what a fresh server started on that checkpoint serves
-    last = write_checkpoint(model, work / "step-4", final)  # the servers' config and tokenizer, trained weights
+    last = write_checkpoint(model, work / "step-6", final)  # the servers' config and tokenizer, trained weights
     expected = fresh_server_logprobs(last, work, settings={"swap_path": "reload"})
-    assert expected != before, "four optimizer steps change no logprob: the check could not fail"
+    assert expected != before, "six optimizer steps change no logprob: the check could not fail"
     assert served == expected
+
+
+def _lines(out: str) -> list[dict]:
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
 def _cli(*args: str) -> str:

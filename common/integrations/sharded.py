@@ -10,7 +10,7 @@ finish commits the snapshot (see :mod:`delta_swap.commit`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 
@@ -25,8 +25,10 @@ class Share:
 
     A tensor is this rank's when its position in the stream is ``rank`` modulo ``world_size``, or,
     with ``held``, when its name is in ``held`` (a trainer that knows which tensors it holds).
-    Every tensor is materialized (a collective for a DTensor) and kept only by its owner, cast to
-    ``dtype`` when floating."""
+    Every tensor is materialized (a collective for a DTensor); only its owner keeps it, detached,
+    on the host and cast to ``dtype`` when floating (one dtype, or a mapping of name to dtype).
+    An error in keeping a tensor is raised by :meth:`result`, after the stream: a rank that
+    stopped half way would leave the others waiting in their next collective."""
 
     def __init__(
         self,
@@ -42,18 +44,32 @@ class Share:
         self.held = set(held) if held is not None else None
         #: This rank's tensors so far, by name.
         self.tensors: dict[str, Any] = {}
-        self._seen = 0
+        #: Every name of the stream so far, in order (every rank sees them all).
+        self.names: list[str] = []
+        self.error: BaseException | None = None
 
     def add(self, name: str, tensor: Any) -> None:
         """Take the next (name, tensor) of the stream (None: a tensor this source does not hold)."""
-        index, self._seen = self._seen, self._seen + 1
+        index = len(self.names)
+        self.names.append(name)
         if tensor is None:
             return
         value = self.materialize(tensor)
         mine = name in self.held if self.held is not None else index % self.world_size == self.rank
-        if mine:
-            cast = self.dtype is not None and value.is_floating_point() and value.dtype != self.dtype
-            self.tensors[name] = value.to(self.dtype) if cast else value
+        if not mine or self.error is not None:
+            return
+        try:
+            dtype = self.dtype.get(name) if isinstance(self.dtype, Mapping) else self.dtype
+            cast = dtype if dtype is not None and value.is_floating_point() else None
+            self.tensors[name] = value.detach().to(device="cpu", dtype=cast)
+        except Exception as exc:  # noqa: BLE001 - raised by result(), once every collective ran
+            self.error = exc
+
+    def result(self) -> dict[str, Any]:
+        """This rank's tensors; raises the first error in keeping one."""
+        if self.error is not None:
+            raise self.error
+        return self.tensors
 
 
 def round_robin_share(
@@ -63,7 +79,7 @@ def round_robin_share(
     share = Share(rank, world_size, dtype, **options)
     for name, tensor in pairs:
         share.add(name, tensor)
-    return share.tensors
+    return share.result()
 
 
 def owned_tensors(named: Iterable[tuple[str, Any]], rank: int, world_size: int, dtype: Any = None) -> dict[str, Any]:

