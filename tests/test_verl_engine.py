@@ -44,19 +44,18 @@ def verl_python() -> str:
 
 
 def run_in_verl(python: str, *args: str, timeout: float = 900) -> str:
-    """Run ``python *args`` from the checkout (this checkout's code first on its path) and return
-    its stdout; fail with its stderr's tail if it fails."""
-    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)
-    done = subprocess.run(
-        [python, *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "PYTHONPATH": path},
-    )
+    """Run ``python *args`` in the verl environment and return its stdout; fail with its stderr's
+    tail if it fails."""
+    done = _verl_process(python, *args, timeout=timeout)
     assert done.returncode == 0, done.stderr[-4000:]
     return done.stdout
+
+
+def _verl_process(python: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``python *args`` from the checkout, with this checkout's code first on its path."""
+    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(ROOT)) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    return subprocess.run([python, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 PROBE = """
@@ -127,6 +126,17 @@ def test_unsupported_verl_fails_in_one_line() -> None:
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["verl"]
     pins += [pin for pin in extra if pin.startswith("verl==")]
     assert len(pins) == 2 and all(versions.is_supported(line.split("==")[1], "verl") for line in pins), pins
+
+
+def test_ranks_that_yield_different_streams_fail_on_every_rank_before_publishing(verl_python, tmp_path) -> None:
+    model = make_tiny_model(tmp_path / "model", family="qwen3")
+    key, _ = generate_keypair(tmp_path / "trainer.key")
+    args = ["-m", "tests.support.verl_trainer", "--model", str(model), "--store", (tmp_path / "store").as_uri()]
+    args += ["--key", str(key), "--out", str(tmp_path / "out"), "--first", "1", "--last", "1", "--skew"]
+    done = _verl_process(verl_python, *args, timeout=600)
+    assert done.returncode != 0
+    assert done.stderr.count("yielded different tensor names or orders (2 different streams among 2 ranks)") >= 1
+    assert not (tmp_path / "store" / "HEAD").exists() and not list((tmp_path / "store").glob("**/*.dsd"))
 
 
 @pytest.fixture(scope="module")

@@ -183,6 +183,7 @@ class DeltaSwapCheckpointEngine(CheckpointEngine):
         dtypes = {name: to_torch_dtype(dtype) for name, (dtype, _) in self._specs.items()}
         share = Share(rank, world_size, dtypes)
         await _drain(weights, share)
+        _check_same_stream(share.names, world_size)  # before anything one rank alone may raise
         tensors = self._checkpoint_share(share)
         publisher = self._publisher(rank, world_size)
         if self.last_step is None:  # a restarted trainer: what has the store got already?
@@ -293,6 +294,24 @@ async def _drain(weights: Any, share: Share) -> None:
             share.add(name, tensor)
     else:
         raise ConfigError(f"send_weights takes (name, tensor) pairs, not {type(weights).__name__}")
+
+
+def _check_same_stream(names: list[str], world_size: int) -> None:
+    """Raise ConfigError on every rank unless every rank drained the same names in the same order
+    (round-robin shares assume it). Collective."""
+    if world_size == 1:
+        return
+    import hashlib
+
+    import torch.distributed as dist
+
+    digests: list[Any] = [None] * world_size
+    dist.all_gather_object(digests, hashlib.sha256("\n".join(names).encode()).hexdigest())
+    if len(set(digests)) > 1:
+        raise ConfigError(
+            f"verl's ranks yielded different tensor names or orders ({len(set(digests))} different streams "
+            f"among {world_size} ranks): every rank must iterate the same weights in the same order"
+        )
 
 
 async def _head_step(store_url: str, publisher: Publisher) -> int | None:

@@ -64,6 +64,12 @@ def build_engine(config_text: str, *, actor: bool, rank: int) -> Any:
     return CheckpointEngineRegistry.new(config.backend, bucket_size=bucket_size, **engine_kwargs)
 
 
+def skewed_param(model: Any, rank: int):  # -> Generator[tuple[str, torch.Tensor]]
+    """A broken trainer's generator: rank 1 yields the tensors in reverse order (no collectives)."""
+    items = list(model.state_dict().items())
+    yield from reversed(items) if rank == 1 else items
+
+
 def per_tensor_param(model: Any):  # -> Generator[tuple[str, torch.Tensor]]
     """(name, tensor) of every state_dict entry, as verl's engines yield them (tied ``lm_head``
     included, no dtype cast), each through a collective as an FSDP gather is (rank 0's values):
@@ -113,7 +119,8 @@ def run_rank(rank: int, args: argparse.Namespace) -> None:
             optimizer.step()
             optimizer.zero_grad()
             trained += 1
-        metrics = asyncio.run(engine.send_weights(per_tensor_param(model), global_steps=step))
+        weights = skewed_param(model, rank) if args.skew else per_tensor_param(model)
+        metrics = asyncio.run(engine.send_weights(weights, global_steps=step))
         received = asyncio.run(rollout_side(rollout, step)) if rollout is not None else []
         engine.finalize()
         line = {"rank": rank, "step": step, "metrics": metrics, "received": len(received), "share": engine.last_names}
@@ -145,6 +152,7 @@ def main() -> None:
     parser.add_argument("--base-every", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--skew", action="store_true", help="rank 1 yields its tensors in another order")
     parser.add_argument("--server-url", action="append", default=[], help="a server following the store")
     args = parser.parse_args()
     with socket.socket() as sock:
