@@ -56,7 +56,8 @@ point here::
     trainers integrations/          HF Trainer / TRL callback (hf_trainer), sharded (FSDP) ranks'
                                     own tensors (sharded), the servers' status (servers), verl's
                                     checkpoint engine (verl), supported versions (versions)
-    tools    cli                    the ``delta-swap`` command
+    tools    checkpoint_watch       the checkpoint folders a trainer writes, complete, in step order
+             cli                    the ``delta-swap`` command (``watch`` publishes those folders)
 
 Engine adapters live outside the core: ``vllm_delta_plugin`` and ``sglang_delta_plugin`` (each
 lists its modules in its own docstring).

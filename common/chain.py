@@ -26,7 +26,7 @@ from .manifest import (
     snapshot_id_for_step,
 )
 from .signing import MAX_SIGNATURE_BYTES, TrustedKeys
-from .stores import Store
+from .stores import Store, open_store
 
 log = logging.getLogger("delta_swap.chain")
 
@@ -244,6 +244,17 @@ class ChainReader:
             await ahead.close()
         path.reverse()
         return path
+
+
+async def head_step_at(url: str, trusted: TrustedKeys | None = None) -> int | None:
+    """The step of the head of the store at ``url`` (verified with ``trusted``), None for an empty
+    store: what a restarted publisher has already published."""
+    store = open_store(url, create=True)
+    try:
+        head = await ChainReader(store, trusted).head()
+    finally:
+        await store.close()
+    return None if head is None else head.step
 
 
 def _step_of(snapshot_id: str | None) -> int | None:

@@ -1,4 +1,5 @@
-"""The ``delta-swap`` command: keygen, publish, pull and inspect snapshot chains.
+"""The ``delta-swap`` command: keygen, publish (one checkpoint folder, or every one a trainer writes:
+``watch``), pull and inspect snapshot chains.
 
 Every failure a user can cause ends in one line on stderr and a non-zero exit; a traceback is
 printed only with ``DELTA_SWAP_DEBUG=1``.
@@ -11,6 +12,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -20,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from . import head_cache, store_keys
-from .chain import READ_AHEAD, ChainReader
+from .chain import READ_AHEAD, ChainReader, head_step_at
 from .checkpoint_dir import PULL_MARKER, install_checkpoint, is_side_file, read_checkpoint_dir, recover_install
+from .checkpoint_watch import ready_checkpoints
 from .checksum import verify_blob
 from .codec_warm_up import WARM_UP_THREAD
 from .errors import (
@@ -36,7 +39,7 @@ from .freshness import Seen, refuse_going_back
 from .manifest import Manifest
 from .publisher import Publisher, PublisherConfig
 from .rebuild import Meter, replay
-from .signing import TrustedKeys, generate_keypair, split_paths
+from .signing import SigningKey, TrustedKeys, generate_keypair, split_paths
 from .stores import Store, open_store
 from .tensors import StateDict
 
@@ -61,7 +64,6 @@ def _trusted(args: argparse.Namespace) -> TrustedKeys | None:
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
-    from .signing import SigningKey
 
     key_path, pub_path = generate_keypair(args.out)
     print(
@@ -76,15 +78,9 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
 
 def _cmd_publish(args: argparse.Namespace) -> int:
     state, files = read_checkpoint_dir(args.checkpoint_dir)
-    config = PublisherConfig(
-        base_every=args.base_every,
-        max_delta_fraction=args.max_delta_fraction,
-        signing_key=args.signing_key,
-        run_id=args.run_id,
-        encode_threads=args.encode_threads,
-        head_cache=None if args.no_head_cache else str(args.head_cache or head_cache.default_folder()),
-        warm_up=False,  # one step per process: a delta loads the kernels as it encodes, a base needs none
-    )
+    cache = None if args.no_head_cache else str(args.head_cache or head_cache.default_folder())
+    # one step per process: a delta loads the kernels as it encodes, a base needs none
+    config = _publisher_config(args, head_cache_folder=cache, warm_up=False)
     total = sum(t.nbytes for t in state.values())
     with _progress("publish", total, not args.quiet) as update, Publisher(args.store, config, files, update) as pub:
         snapshot_id = pub.publish(args.step, state, force_base=args.base)
@@ -96,6 +92,68 @@ def _cmd_publish(args: argparse.Namespace) -> int:
         f"{manifest.payload_bytes} bytes stored for {manifest.model_bytes} model bytes; run {manifest.run_id}"
     )
     return 0
+
+
+def _cmd_watch(args: argparse.Namespace) -> int:
+    """Publish every checkpoint folder ``args.folder`` gains, in step order, from one process: the
+    last step stays in memory, so a delta costs what the library's does (no process start, no
+    kernel load, no head to read or cache per step)."""
+    signal.signal(signal.SIGTERM, _interrupt)  # stopped by a supervisor: finish like Ctrl-C
+    config = _publisher_config(args, head_cache_folder=None, warm_up=True)
+    key = args.signing_key or os.environ.get("DELTA_SWAP_SIGNING_KEY")
+    trusted = SigningKey.load(key).trusted() if key else None  # the head counts if it is this trainer's
+    last = asyncio.run(head_step_at(args.store, trusted))  # a restarted watcher skips what the store holds
+    print(f"watching {args.folder} for checkpoints after step {last}", flush=True)
+    pub: Publisher | None = None
+    unreadable: dict[Path, float] = {}  # folder -> when it last changed, as it failed to read
+    try:
+        while args.until_step is None or last is None or last < args.until_step:
+            for folder in ready_checkpoints(Path(args.folder), last, args.settle_s):
+                if unreadable.get(folder.path) == folder.changed:
+                    break  # still as it was when it failed: this step and later ones wait
+                started = time.monotonic()
+                try:
+                    state, files = read_checkpoint_dir(folder.path)
+                except (DeltaSwapError, OSError) as exc:
+                    unreadable[folder.path] = folder.changed
+                    print(f"delta-swap watch: {folder.path.name}: {exc}; waiting for it to change", file=sys.stderr)
+                    break
+                pub = pub or Publisher(args.store, config, files)
+                pub.publish(folder.step, state)
+                pub.flush()
+                manifest = pub.last_manifest
+                assert manifest is not None
+                last = folder.step
+                print(
+                    f"published {manifest.snapshot_id} ({manifest.kind}, step {manifest.step}) from {folder.path.name} "
+                    f"in {time.monotonic() - started:.2f} s: {manifest.payload_bytes} bytes for {manifest.model_bytes}",
+                    flush=True,
+                )
+                if args.until_step is not None and last >= args.until_step:
+                    break
+            else:
+                time.sleep(args.poll_s)
+    finally:
+        if pub is not None:
+            pub.close()
+    return 0
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _publisher_config(args: argparse.Namespace, head_cache_folder: str | None, warm_up: bool) -> PublisherConfig:
+    """What ``publish`` and ``watch`` set from their common flags."""
+    return PublisherConfig(
+        base_every=args.base_every,
+        max_delta_fraction=args.max_delta_fraction,
+        signing_key=args.signing_key,
+        run_id=args.run_id,
+        encode_threads=args.encode_threads,
+        head_cache=head_cache_folder,
+        warm_up=warm_up,
+    )
 
 
 async def _manifest(url: str, snapshot_id: str) -> Manifest:
@@ -385,10 +443,38 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("publish", help="publish a Hugging Face checkpoint directory as the next snapshot")
     p.add_argument("checkpoint_dir", help="folder with *.safetensors and config/tokenizer files")
-    p.add_argument("--store", required=True, help="store URL: file:///path, a plain path, s3://bucket/prefix")
     p.add_argument("--step", required=True, type=int, help="training step of this checkpoint")
-    p.add_argument("--base-every", type=int, default=25, help="publish a full base every N steps (default 25)")
     p.add_argument("--base", action="store_true", help="force a full base snapshot (also on a damaged chain)")
+    _publish_flags(p)
+    p.add_argument(
+        "--head-cache",
+        help="folder keeping a copy of the last published tensors, so the next delta needs no "
+        f"rebuild of the store's head (checked against its checksums first). Env: {head_cache.ENV_VAR} "
+        "(default: ~/.cache/delta-swap/heads)",
+    )
+    p.add_argument("--no-head-cache", action="store_true", help="rebuild the store's head for every delta")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_publish)
+
+    p = sub.add_parser(
+        "watch",
+        help="publish every checkpoint folder a trainer writes (checkpoint-N, step_N, global_step_N) "
+        "as step N, from one long-lived process",
+    )
+    p.add_argument("folder", help="the folder the trainer saves its checkpoint folders into")
+    _publish_flags(p)
+    p.add_argument("--settle-s", type=float, default=5.0, help="a folder counts once unchanged this long (default 5)")
+    p.add_argument("--poll-s", type=float, default=1.0, help="seconds between looks at the folder (default 1)")
+    p.add_argument("--until-step", type=int, help="exit once this step is published (default: run until stopped)")
+    p.set_defaults(func=_cmd_watch)
+    _add_read_commands(sub, trusted_help)
+    return parser
+
+
+def _publish_flags(p: argparse.ArgumentParser) -> None:
+    """The flags ``publish`` and ``watch`` share."""
+    p.add_argument("--store", required=True, help="store URL: file:///path, a plain path, s3://bucket/prefix")
+    p.add_argument("--base-every", type=int, default=25, help="publish a full base every N steps (default 25)")
     p.add_argument(
         "--max-delta-fraction",
         type=float,
@@ -406,16 +492,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="threads that encode the tensors (default: every core this process may run on)",
     )
-    p.add_argument(
-        "--head-cache",
-        help="folder keeping a copy of the last published tensors, so the next delta needs no "
-        f"rebuild of the store's head (checked against its checksums first). Env: {head_cache.ENV_VAR} "
-        "(default: ~/.cache/delta-swap/heads)",
-    )
-    p.add_argument("--no-head-cache", action="store_true", help="rebuild the store's head for every delta")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=_cmd_publish)
 
+
+def _add_read_commands(sub: Any, trusted_help: str) -> None:
+    """``pull`` and ``inspect``."""
     p = sub.add_parser("pull", help="rebuild a snapshot as a Hugging Face checkpoint directory")
     p.add_argument("--store", required=True, help="store URL")
     p.add_argument("--out", required=True, help="output folder (replaced atomically; see --force)")
@@ -436,7 +516,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trusted-key", help=trusted_help)
     p.add_argument("--json", action="store_true", help="print a JSON array")
     p.set_defaults(func=_cmd_inspect)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -162,6 +162,82 @@ def test_publish_in_process_leaves_no_thread_behind(tmp_path, checkpoints) -> No
     assert [t.name for t in threading.enumerate() if t not in before] == []
 
 
-@pytest.mark.parametrize("cmd", ["publish", "pull", "inspect"])
+def test_watch_publishes_each_checkpoint_a_trainer_writes_in_step_order(tmp_path, checkpoints) -> None:
+    """A trainer saves ``checkpoint-N`` folders one after the other; ``watch`` (one process) skips
+    the steps the store already holds, publishes each new folder once it is complete (a folder
+    still being written waits, and so do later ones), exits after ``--until-step``, and the store
+    rebuilds the last checkpoint bit-exact. SIGTERM ends it as Ctrl-C does, with exit 130."""
+    import shutil
+    import time
+
+    store, saves = f"file://{tmp_path}/store", tmp_path / "run"
+    saves.mkdir()
+    _run("publish", str(checkpoints[0]), "--store", store, "--step", "0", "--quiet")  # published before
+    shutil.copytree(checkpoints[0], saves / "checkpoint-0")
+    watch = [*CLI, "watch", str(saves), "--store", store, "--settle-s", "1", "--poll-s", "0.1", "--base-every", "30"]
+    proc = subprocess.Popen([*watch, "--until-step", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def save(step: int) -> None:  # as a trainer writes a checkpoint: files written now
+        shutil.copytree(checkpoints[step], saves / f"checkpoint-{step}", copy_function=shutil.copy)
+
+    try:
+        writing = saves / "checkpoint-1"  # the trainer stops half way through step 1
+        writing.mkdir()
+        (writing / "model.safetensors").write_bytes((checkpoints[1] / "model.safetensors").read_bytes()[:1000])
+        save(2)
+        time.sleep(2.5)  # step 1 settles unfinished: said, retried once it changes; step 2 waits for it
+        assert not list((tmp_path / "store").rglob("*0000000002*"))
+        shutil.copytree(checkpoints[1], writing, copy_function=shutil.copy, dirs_exist_ok=True)  # finished now
+        save(3)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "checkpoint-1: safetensors header" in err and "waiting for it to change" in err
+    published = [line.split()[1] for line in out.splitlines() if line.startswith("published")]
+    assert published == ["step-0000000001", "step-0000000002", "step-0000000003"], out
+    assert "watching" in out and "after step 0" in out
+    rows = json.loads(_run("inspect", "--store", store, "--json").stdout)
+    assert [(r["step"], r["kind"]) for r in rows] == [(0, "base"), (1, "delta"), (2, "delta"), (3, "delta")]
+    pulled = tmp_path / "pulled"
+    _run("pull", "--store", store, "--out", str(pulled), "--quiet")
+    got, want = load_file(str(pulled / "model.safetensors")), load_file(str(checkpoints[3] / "model.safetensors"))
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+    idle = subprocess.Popen(watch, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(3)
+        idle.terminate()
+        idle.communicate(timeout=60)
+    finally:
+        idle.kill()
+    assert idle.returncode == 130
+
+
+def test_checkpoint_folders_are_found_by_step_once_complete(tmp_path) -> None:
+    from delta_swap.checkpoint_watch import ready_checkpoints, step_of
+
+    assert [step_of(n) for n in ("checkpoint-500", "global_step_7", "step_0012", "iter_0000300", "runs")] == [
+        500,
+        7,
+        12,
+        300,
+        None,
+    ]
+    for name in ("checkpoint-10", "checkpoint-2", "checkpoint-5", "logs"):
+        (tmp_path / name).mkdir()
+    for name in ("checkpoint-10", "checkpoint-2"):
+        (tmp_path / name / "model.safetensors").write_bytes(b"x")
+    (tmp_path / "checkpoint-5" / "config.json").write_text("{}")  # no weights yet
+    now = (tmp_path / "checkpoint-10" / "model.safetensors").stat().st_mtime
+    assert [f.step for f in ready_checkpoints(tmp_path, None, 1.0, now=now + 2)] == [2]  # 5 is not done: 10 waits
+    (tmp_path / "checkpoint-5" / "model.safetensors").write_bytes(b"x")
+    now = (tmp_path / "checkpoint-5" / "model.safetensors").stat().st_mtime
+    assert [f.step for f in ready_checkpoints(tmp_path, 2, 1.0, now=now + 2)] == [5, 10]
+    assert ready_checkpoints(tmp_path, 2, 1.0, now=now + 0.5) == []  # step 5 changed half a second ago
+    assert ready_checkpoints(tmp_path / "missing", None, 1.0) == []
+
+
+@pytest.mark.parametrize("cmd", ["publish", "watch", "pull", "inspect"])
 def test_every_command_has_help(cmd) -> None:
     assert "--store" in _run(cmd, "--help").stdout

@@ -68,11 +68,10 @@ check_version("verl")  # before verl's API is touched: an unsupported verl fails
 import torch  # noqa: E402
 from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegistry  # noqa: E402
 
-from ..chain import ChainReader  # noqa: E402
+from ..chain import head_step_at  # noqa: E402
 from ..checkpoint_dir import read_side_files, read_tensor_specs  # noqa: E402
 from ..dtypes import to_torch_dtype  # noqa: E402
 from ..publisher import Publisher, PublisherConfig  # noqa: E402
-from ..stores import open_store  # noqa: E402
 from .servers import wait_for_servers  # noqa: E402
 from .sharded import Share  # noqa: E402
 
@@ -187,7 +186,7 @@ class DeltaSwapCheckpointEngine(CheckpointEngine):
         tensors = self._checkpoint_share(share)
         publisher = self._publisher(rank, world_size)
         if self.last_step is None:  # a restarted trainer: what has the store got already?
-            self.last_step = await _head_step(self.options.store_url, publisher)
+            self.last_step = await head_step_at(self.options.store_url, publisher.trusted)
         step = global_steps if global_steps is not None else (self.last_step if self.last_step is not None else 0)
         waited = 0.0
         if self.last_step is not None and step < self.last_step:
@@ -312,16 +311,6 @@ def _check_same_stream(names: list[str], world_size: int) -> None:
             f"verl's ranks yielded different tensor names or orders ({len(set(digests))} different streams "
             f"among {world_size} ranks): every rank must iterate the same weights in the same order"
         )
-
-
-async def _head_step(store_url: str, publisher: Publisher) -> int | None:
-    """The step of the store's head (verified with the publisher's keys), None for an empty store."""
-    store = open_store(store_url, create=True)
-    try:
-        head = await ChainReader(store, publisher.trusted).head()
-    finally:
-        await store.close()
-    return None if head is None else head.step
 
 
 def _tied_output_names(model_path: str) -> tuple[str, ...]:
