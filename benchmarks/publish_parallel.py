@@ -15,7 +15,9 @@ benchmarks/rl_corpus.py). Step 0 is published as a base (not timed); each later 
   trainer ahead of its publisher), so that the next step encodes while the previous one uploads;
 * cli: ``python -m delta_swap.cli publish <checkpoint folder>`` per step, a process each (Python
   start, imports, reading the folder, the head, encode, upload, commit), with ``--no-head-cache``
-  (the head is rebuilt from the store every step) and with a head cache.
+  (the head is rebuilt from the store every step) and with a head cache; then ``delta-swap watch``
+  (one process for every step), timed from a ``checkpoint-N`` folder renamed into place to its
+  commit line.
 
 * ranks: ``--ranks N`` gloo ranks (a process each, one encode thread each), each publishing its
   round-robin share of the same step (``PublisherConfig(rank=r, world_size=N)``; the last rank to
@@ -318,6 +320,54 @@ def measure_cli(shapes: dict, steps: int, lr: float, work: Path, head_cache: boo
     }
 
 
+def measure_cli_watch(shapes: dict, steps: int, lr: float, work: Path, threads: int | None = None) -> dict:
+    """Seconds from a checkpoint folder appearing (renamed into place, as a trainer that saves
+    atomically does) to ``delta-swap watch`` printing its commit, per delta step; the watcher's
+    peak RSS."""
+    store, saves = work / "cli-watch", work / "cli-watch-saves"
+    for folder in (store, saves):
+        shutil.rmtree(folder, ignore_errors=True)
+    saves.mkdir(parents=True)
+    trainer = SyntheticTrainer(shapes, lr)
+    cmd = [sys.executable, "-c", _CLI_WRAPPER, "watch", str(saves), "--store", str(store), "--base-every", "10000"]
+    cmd += ["--settle-s", "0", "--poll-s", "0.02", "--until-step", str(steps)]
+    cmd += ["--encode-threads", str(threads)] if threads else []
+    seconds, payload = [], []
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            assert proc.stdout is not None
+            proc.stdout.readline()  # "watching ..."
+            for step in range(steps + 1):
+                if step:
+                    trainer.advance()
+                staging = saves / f".saving-{step}"
+                _write_checkpoint(trainer.state(), staging)
+                start = time.perf_counter()
+                staging.rename(saves / f"checkpoint-{step}")
+                line = proc.stdout.readline()
+                if not line.startswith("published"):
+                    raise RuntimeError(f"delta-swap watch: {line!r}")
+                if step:
+                    seconds.append(time.perf_counter() - start)
+                    payload.append(int(line.split(": ")[1].split()[0]))
+                shutil.rmtree(saves / f"checkpoint-{step}")
+            proc.wait(timeout=600)
+        finally:
+            proc.kill()
+        err.seek(0)
+        peaks = [float(x.split("=", 1)[1]) for x in err.read().splitlines() if x.startswith("PEAK_RSS_MB=")]
+    return {
+        "mode": "cli watch",
+        "threads": threads or _cores(),
+        "seconds": seconds,
+        "payload_bytes": payload,
+        "model_bytes": sum(int(np.prod(s)) * 2 for s in shapes.values()),
+        "rss_before_mb": float("nan"),
+        "peak_rss_mb": peaks[-1] if peaks else float("nan"),
+    }
+
+
 def _run_measured(cmd: list[str]) -> tuple[float, float, str, str]:
     """Run ``cmd`` (the CLI wrapper): its wall seconds, its peak RSS in MB, its stdout and stderr."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
@@ -458,6 +508,8 @@ def _run(args: argparse.Namespace, shapes: dict, work: Path) -> None:
     for cached in (False, True):
         rows.append(measure_cli(shapes, args.steps, args.lr, work, head_cache=cached))
         print(summarize(rows)[-1], flush=True)
+    rows.append(measure_cli_watch(shapes, args.steps, args.lr, work))
+    print(summarize(rows)[-1], flush=True)
     print("\n".join(summarize(rows)))
     load = os.getloadavg()
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at the end")

@@ -68,6 +68,13 @@ def test_cli_row_uses_the_head_cache(tmp_path) -> None:
     assert row["peak_rss_mb"] > 0 and bench.summarize([row])[1].startswith("cli, head cache")
 
 
+def test_cli_watch_row_times_each_checkpoint_to_its_commit(tmp_path) -> None:
+    row = bench.measure_cli_watch(SHAPES, 2, 1e-4, tmp_path, threads=1)
+    one = bench.measure_library(SHAPES, 2, 1, 1e-4, tmp_path)
+    assert row["mode"] == "cli watch" and len(row["seconds"]) == 2 and all(s > 0 for s in row["seconds"])
+    assert row["payload_bytes"] == one["payload_bytes"] and row["peak_rss_mb"] > 0
+
+
 def test_gil_check_and_machine_header() -> None:
     gil = bench.measure_gil(64, 256, 1e-4)
     assert gil["one_thread_s"] > 0 and gil["two_threads_s"] > 0
