@@ -399,10 +399,12 @@ def _swap_during_requests(
 ):
     """Start ``n`` long requests, publish ``step`` once each has produced tokens, return their final
     outputs."""
-    # A fresh environment JIT-compiles the codec's kernels at start (~15 s of a core): wait for the
-    # server's decoder, and compile this process's encoder before the requests (a fresh checkout
-    # running this module alone compiled it inside the publish below, which outlasted them).
-    wait_for(url, lambda s: s["codec_ready"], timeout=180)
+    # A fresh environment JIT-compiles the codec's kernels at start (~15 s of a core; numba's cache
+    # is keyed by the checkout's path, so every new checkout compiles, and a loaded 2-core machine
+    # took over 180 s once): wait for the server's decoder, and compile this process's encoder before
+    # the requests (a fresh checkout running this module alone compiled it inside the publish below,
+    # which outlasted them).
+    wait_for(url, lambda s: s["codec_ready"], timeout=420)
     codec.warm_up()
     started = [threading.Event() for _ in range(n)]
     together = threading.Barrier(n)
