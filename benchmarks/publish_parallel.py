@@ -356,7 +356,7 @@ def measure_cli_watch(shapes: dict, steps: int, lr: float, work: Path, threads: 
         finally:
             proc.kill()
         err.seek(0)
-        peaks = [float(x.split("=", 1)[1]) for x in err.read().splitlines() if x.startswith("PEAK_RSS_MB=")]
+        peak = _peak_of(err.read())
     return {
         "mode": "cli watch",
         "threads": threads or _cores(),
@@ -364,7 +364,7 @@ def measure_cli_watch(shapes: dict, steps: int, lr: float, work: Path, threads: 
         "payload_bytes": payload,
         "model_bytes": sum(int(np.prod(s)) * 2 for s in shapes.values()),
         "rss_before_mb": float("nan"),
-        "peak_rss_mb": peaks[-1] if peaks else float("nan"),
+        "peak_rss_mb": peak,
     }
 
 
@@ -379,8 +379,13 @@ def _run_measured(cmd: list[str]) -> tuple[float, float, str, str]:
         stdout, stderr = out.read(), err.read()
     if returncode != 0:
         raise RuntimeError(f"delta-swap publish failed ({returncode}): {stderr[-2000:]}")
+    return elapsed, _peak_of(stderr), stdout, stderr
+
+
+def _peak_of(stderr: str) -> float:
+    """The peak RSS in MB that :data:`_CLI_WRAPPER` printed on ``stderr`` (NaN if it did not)."""
     peaks = [float(line.split("=", 1)[1]) for line in stderr.splitlines() if line.startswith("PEAK_RSS_MB=")]
-    return elapsed, peaks[-1] if peaks else float("nan"), stdout, stderr
+    return peaks[-1] if peaks else float("nan")
 
 
 def measure_gil(rows: int, cols: int, lr: float) -> dict:

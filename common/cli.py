@@ -64,7 +64,6 @@ def _trusted(args: argparse.Namespace) -> TrustedKeys | None:
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
-
     key_path, pub_path = generate_keypair(args.out)
     print(
         f"wrote private key {key_path} (keep it on the trainer) and public key {pub_path} "

@@ -33,7 +33,7 @@ import re
 import threading
 from collections.abc import Callable, Generator, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -127,6 +127,14 @@ class PublisherConfig:
     #: publishes one step and exits (``delta-swap publish``) turns it off: a delta loads the
     #: kernels as it encodes, and a base does not need them.
     warm_up: bool = True
+
+    def with_fields(self, fields: Mapping[str, Any], where: str = "publisher_options") -> PublisherConfig:
+        """A copy with ``fields`` (a user's extra options) changed; ConfigError, naming ``where``,
+        for a field this config does not have."""
+        try:
+            return replace(self, **dict(fields))
+        except TypeError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
 
 
 @dataclass

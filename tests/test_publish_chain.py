@@ -281,3 +281,9 @@ async def test_base_shards_are_plain_safetensors(chain) -> None:
 def test_a_bad_store_url_fails_at_construction() -> None:
     with pytest.raises(StoreError, match="unsupported store URL"):
         Publisher("gopher://nowhere/x")
+
+
+def test_publisher_config_with_fields_names_an_unknown_field() -> None:
+    assert PublisherConfig().with_fields({"keep_bases": 2}).keep_bases == 2
+    with pytest.raises(ConfigError, match=r"^engine_kwargs\.delta_swap\.publisher_options: .*keep_base"):
+        PublisherConfig().with_fields({"keep_base": 2}, "engine_kwargs.delta_swap.publisher_options")

@@ -37,7 +37,6 @@ e.g. ``vllm.plugins.load_general_plugins()``) and on importing this module, whic
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -58,7 +57,7 @@ from vllm.distributed.weight_transfer.base import (  # noqa: E402
 
 from delta_swap.checkpoint_dir import read_side_files  # noqa: E402
 from delta_swap.errors import ConfigError  # noqa: E402
-from delta_swap.integrations.servers import served_steps, wait_for_servers  # noqa: E402
+from delta_swap.integrations.servers import notify_urls, served_steps, wait_for_servers  # noqa: E402
 from delta_swap.integrations.sharded import round_robin_share  # noqa: E402
 from delta_swap.publisher import Publisher, PublisherConfig  # noqa: E402
 
@@ -129,19 +128,14 @@ class DeltaSwapTrainerEngine(TrainerWeightTransferEngine[DeltaSwapTrainerInitInf
         self.server_urls: tuple[str, ...] = tuple(
             dict.fromkeys(u.rstrip("/") for u in ([base_url] if base_url else []) + list(init_info.server_urls))
         )
-        options = dict(init_info.publisher_options)
         config = PublisherConfig(
             base_every=init_info.base_every,
             rank=init_info.rank,
             world_size=init_info.world_size,
             signing_key=init_info.signing_key,
-            notify_urls=tuple(f"{u}/delta_swap/notify" for u in self.server_urls) if init_info.notify else (),
+            notify_urls=notify_urls(self.server_urls) if init_info.notify else (),
             notify_token=init_info.admin_token,
-        )
-        try:
-            config = dataclasses.replace(config, **options)
-        except TypeError as exc:
-            raise ConfigError(f"publisher_options: {exc}") from None
+        ).with_fields(init_info.publisher_options)
         #: The publisher of this rank (its ``last_manifest`` is the newest snapshot it committed).
         self.publisher = Publisher(
             init_info.store_url, config, files=read_side_files(init_info.files_from) if init_info.files_from else {}

@@ -7,7 +7,7 @@ waits on that before its next step."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 
@@ -20,6 +20,12 @@ def server_status(url: str) -> dict[str, Any] | None:
         return response.json() if response.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         return None
+
+
+def notify_urls(urls: Iterable[str]) -> tuple[str, ...]:
+    """Each server's ``/delta_swap/notify`` route, which a publisher POSTs after each commit
+    (``PublisherConfig.notify_urls``)."""
+    return tuple(f"{url.rstrip('/')}/delta_swap/notify" for url in urls)
 
 
 def served_steps(urls: Sequence[str]) -> list[int | None]:

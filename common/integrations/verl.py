@@ -72,7 +72,7 @@ from ..chain import head_step_at  # noqa: E402
 from ..checkpoint_dir import read_side_files, read_tensor_specs  # noqa: E402
 from ..dtypes import to_torch_dtype  # noqa: E402
 from ..publisher import Publisher, PublisherConfig  # noqa: E402
-from .servers import wait_for_servers  # noqa: E402
+from .servers import notify_urls, wait_for_servers  # noqa: E402
 from .sharded import Share  # noqa: E402
 
 log = logging.getLogger("delta_swap")
@@ -136,9 +136,11 @@ class DeltaSwapCheckpointEngine(CheckpointEngine):
         self.bucket_size = bucket_size  # verl's bucket for tensors in flight; unused: none fly here
         self.is_master = is_master
         self.options = VerlEngineOptions.from_kwargs(engine_kwargs)
-        #: The checkpoint's tensors (name -> (dtype, shape)) and tied names: read by the first
+        #: The checkpoint's tensors (name -> (dtype, shape)), their torch dtypes and the tied names:
+        #: read by the first
         #: :meth:`send_weights` (the actor side only).
         self._specs: dict[str, tuple[str, tuple[int, ...]]] | None = None
+        self._dtypes: dict[str, torch.dtype] = {}
         self._tied: tuple[str, ...] = ()
         #: This rank's publisher, opened by the first :meth:`send_weights` (the actor side only).
         self.publisher: Publisher | None = None
@@ -178,9 +180,9 @@ class DeltaSwapCheckpointEngine(CheckpointEngine):
         rank, world_size = _rank_and_world()
         if self._specs is None:
             self._specs = read_tensor_specs(self.options.model_path)
+            self._dtypes = {name: to_torch_dtype(dtype) for name, (dtype, _) in self._specs.items()}
             self._tied = _tied_output_names(self.options.model_path)
-        dtypes = {name: to_torch_dtype(dtype) for name, (dtype, _) in self._specs.items()}
-        share = Share(rank, world_size, dtypes)
+        share = Share(rank, world_size, self._dtypes)
         await _drain(weights, share)
         _check_same_stream(share.names, world_size)  # before anything one rank alone may raise
         tensors = self._checkpoint_share(share)
@@ -238,16 +240,10 @@ class DeltaSwapCheckpointEngine(CheckpointEngine):
                 rank=rank,
                 world_size=world_size,
                 signing_key=options.signing_key,
-                notify_urls=tuple(f"{u}/delta_swap/notify" for u in options.server_urls),
+                notify_urls=notify_urls(options.server_urls),
                 notify_token=options.admin_token,
-            )
-            try:
-                config = dataclasses.replace(config, **dict(options.publisher_options))
-            except TypeError as exc:
-                raise ConfigError(f"engine_kwargs.{BACKEND_NAME}.publisher_options: {exc}") from None
-            self.publisher = Publisher(
-                options.store_url, config, files=read_side_files(options.model_path) if options.model_path else {}
-            )
+            ).with_fields(options.publisher_options, f"engine_kwargs.{BACKEND_NAME}.publisher_options")
+            self.publisher = Publisher(options.store_url, config, files=read_side_files(options.model_path))
             atexit.register(self.publisher.close)  # verl never closes an engine: the last step still lands
         return self.publisher
 
