@@ -1,6 +1,6 @@
 """The README's support matrix from the exactness suite's records.
 
-    DELTA_SWAP_MATRIX_OUT=matrix.jsonl pytest tests/test_vllm_exactness.py tests/test_sglang_exactness.py
+    DELTA_SWAP_FULL_MATRIX=1 DELTA_SWAP_MATRIX_OUT=matrix.jsonl pytest tests/test_vllm_exactness.py tests/test_sglang_exactness.py
     python -m benchmarks.support_matrix matrix.jsonl
 
 The suite (``delta_swap.testing.engine_exactness``) appends one JSON line per swap, or per path the

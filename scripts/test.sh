@@ -11,4 +11,4 @@ if ! command -v nginx >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/d
     || echo "delta-swap: could not install nginx; the fleet smoke test will be skipped" >&2
 fi
 cd "$root"
-exec "$venv/bin/python" -m pytest -q -p no:cacheprovider --durations=25 "$@"
+exec "$venv/bin/python" -m pytest -q -p no:cacheprovider -rs --durations=25 "$@"

@@ -1,9 +1,26 @@
-"""Shared fixtures."""
+"""Shared fixtures, and the default run's share of the engine matrix."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
+
+#: Set to 1 to run every cell of the engine matrix (family x swap path x layout), as
+#: ``benchmarks/support_matrix.py`` wants; the default run takes each path and layout with the
+#: families that break it, and skips the cells marked ``full_matrix``, saying which cell covers them.
+FULL_MATRIX_ENV = "DELTA_SWAP_FULL_MATRIX"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get(FULL_MATRIX_ENV) == "1":
+        return
+    for item in items:
+        mark = item.get_closest_marker("full_matrix")
+        if mark is not None:
+            covered_by = mark.args[0] if mark.args else "other cells"
+            item.add_marker(pytest.mark.skip(reason=f"full matrix only ({FULL_MATRIX_ENV}=1); covered by {covered_by}"))
 
 
 @pytest.fixture

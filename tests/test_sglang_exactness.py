@@ -66,6 +66,7 @@ class SglangExactness(TinyModelExactness):
         return [meta["input_token_logprobs"], meta["input_top_logprobs"], meta["output_token_logprobs"]]
 
 
+@pytest.mark.full_matrix("fused constituents on the tensor path: TestQwen2Tensor; llama: TestLlamaArena")
 class TestLlamaTensor(SglangExactness):
     family, swap_path = "llama", "reload"
 
@@ -82,6 +83,7 @@ class TestQwen3MoeTensor(SglangExactness):
     family, swap_path = "qwen3_moe", "reload"
 
 
+@pytest.mark.full_matrix("MoE on the tensor path: TestQwen3MoeTensor; qwen2_moe: TestQwen2MoeArena")
 class TestQwen2MoeTensor(SglangExactness):
     family, swap_path = "qwen2_moe", "reload"
 
@@ -90,6 +92,7 @@ class TestLlamaArena(SglangExactness):
     family, swap_path = "llama", "arena"
 
 
+@pytest.mark.full_matrix("a fused constituent on the arena path: TestLlamaArena; biases: TestQwen2Tensor")
 class TestQwen2Arena(SglangExactness):
     family, swap_path = "qwen2", "arena"
 

@@ -339,7 +339,7 @@ def test_in_flight_requests_finish_on_one_weight_version_in_wait_mode(live, mode
     assert generate(server.url, PROMPTS[0])["weight_versions"][0]["version"] == "step-0000000010"
 
 
-def test_fifty_swaps_under_steady_load_without_a_failed_request(live, models, creds) -> None:
+def test_twenty_swaps_under_steady_load_without_a_failed_request(live, models, creds) -> None:
     server, store = live
     weights = load_file(str(models["B"] / "model.safetensors"))
 

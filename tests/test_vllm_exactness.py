@@ -47,6 +47,7 @@ def completion_logprobs(url: str, prompt: list[int], headers: Mapping[str, str] 
     return [logprobs["token_logprobs"], logprobs["top_logprobs"]]
 
 
+@pytest.mark.full_matrix("fused constituents on reload: TestQwen2Reload; llama: TestLlamaArena")
 class TestLlamaReload(VllmExactness):
     family, swap_path = "llama", "reload"
 
@@ -67,6 +68,7 @@ class TestQwen2MoeReload(VllmExactness):
     family, swap_path = "qwen2_moe", "reload"
 
 
+@pytest.mark.full_matrix("biases and a fused constituent on the arena path: TestLlamaArena, TestQwen2Inplace")
 class TestQwen2Arena(VllmExactness):
     family, swap_path = "qwen2", "arena"
 
@@ -75,19 +77,25 @@ class TestQwen3TiedArena(VllmExactness):
     family, swap_path = "qwen3", "arena"
 
 
-class TestQwen3TiedReloadTP2(VllmExactness):
-    """Two tensor-parallel ranks on two cores (one OpenMP thread each): every rank reloads its shard."""
+class TensorParallel2(VllmExactness):
+    """Two tensor-parallel ranks on two cores (one OpenMP thread each)."""
 
-    family, swap_path = "qwen3", "reload"
     extra = ("--tensor-parallel-size", "2")
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 
-class TestQwen3MoeReloadTP2(TestQwen3TiedReloadTP2):
+@pytest.mark.full_matrix("TP 2 on reload: TestQwen3MoeReloadTP2")
+class TestQwen3TiedReloadTP2(TensorParallel2):
+    """Every tensor-parallel rank reloads its shard."""
+
+    family, swap_path = "qwen3", "reload"
+
+
+class TestQwen3MoeReloadTP2(TensorParallel2):
     """MoE experts sharded over two tensor-parallel ranks: each rank reloads and reads back its
     own shard of the experts (the sampled expert against the kernel's prepack of that shard)."""
 
-    family = "qwen3_moe"
+    family, swap_path = "qwen3_moe", "reload"
 
 
 class TestQwen3TiedReloadDP2(VllmExactness):
@@ -128,6 +136,7 @@ class TestQwen3TiedReloadDP2(VllmExactness):
         assert versions == {seen[0]["current_snapshot_id"]}, (versions, seen[0])
 
 
+@pytest.mark.full_matrix("DP 2: TestQwen3TiedReloadDP2; the arena path: TestQwen3TiedArena")
 class TestQwen3TiedArenaDP2(TestQwen3TiedReloadDP2):
     """The same deployment on the arena path: both engines' workers point their parameters into
     the same shared arenas, and one swap flips both."""
@@ -143,6 +152,7 @@ class TestQwen3MoeArena(VllmExactness):
     family, swap_path = "qwen3_moe", "arena"
 
 
+@pytest.mark.full_matrix("MoE on the arena path: TestQwen3MoeArena; qwen2_moe: TestQwen2MoeReload")
 class TestQwen2MoeArena(VllmExactness):
     family, swap_path = "qwen2_moe", "arena"
 
@@ -185,16 +195,18 @@ class TestQwen2Inplace(VllmExactness):
         assert reference != before
 
 
+@pytest.mark.full_matrix("the tied embedding in place: TestQwen3TiedInplaceTP2")
 class TestQwen3TiedInplace(VllmExactness):
     family, swap_path = "qwen3", "inplace"
 
 
-class TestQwen3TiedInplaceTP2(TestQwen3TiedReloadTP2):
+class TestQwen3TiedInplaceTP2(TensorParallel2):
     """Each tensor-parallel rank finds and writes the changed elements of its own shard."""
 
-    swap_path = "inplace"
+    family, swap_path = "qwen3", "inplace"
 
 
+@pytest.mark.full_matrix("MoE swaps: TestQwen3MoeReload, TestQwen3MoeArena")
 class TestQwen3MoeInplace(VllmExactness):
     """vLLM's CPU experts kernel prepacks the experts: no in-place path there (said and skipped)."""
 

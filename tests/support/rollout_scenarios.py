@@ -239,7 +239,7 @@ def swaps_under_load(
     request: Callable[[httpx.Client, int], object],
     first_step: int,
     creds: Credentials,
-    swaps: int = 50,
+    swaps: int = 20,
 ) -> dict:
     """Publish ``swaps`` RL-sized updates of ``weights`` one after another, each applied before the
     next, while two clients keep calling ``request``; no request may fail. Returns the status.
