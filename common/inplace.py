@@ -16,7 +16,6 @@ second copy of the model.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 
 from .errors import EngineError
+from .loader_redirect import load_redirected, scratch_of, with_param
 from .module_groups import module_of
 
 #: An integer dtype of each element size, to compare and copy elements bit for bit.
@@ -159,9 +159,6 @@ def _targets(
     return targets
 
 
-_MISSING = object()
-
-
 def element_changes(
     model: torch.nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
@@ -171,13 +168,12 @@ def element_changes(
     """(the changes ``weights`` make to ``model``'s live parameters, one per parameter; the names
     no loader received), worked out by the engine itself.
 
-    The new tensors go through the model's own ``load_weights`` (its name mapping, fused q/k/v and
-    gate/up shard ids, expert ids, vocabulary padding, tied embeddings) and each parameter's own
-    ``weight_loader`` (``default_loader`` where it has none; a tensor-parallel rank's shard), but
-    every loader writes into a scratch copy of its parameter: the live model does not change. Each
-    scratch is compared with its live parameter one module at a time (memory: the largest module's
-    parameters). A name no loader received is one the engine ignores, as a fresh server would (a
-    tied ``lm_head.weight``). vLLM and SGLang models both load this way."""
+    The new tensors go through the model's own loaders (:mod:`.loader_redirect`: its name mapping,
+    fused q/k/v and gate/up shard ids, expert ids, vocabulary padding, tied embeddings; a
+    tensor-parallel rank's shard), but every loader writes into a scratch copy of its parameter:
+    the live model does not change. Each scratch is compared with its live parameter one module at
+    a time (memory: the largest module's parameters). A name no loader received is one the engine
+    ignores, as a fresh server would (a tied ``lm_head.weight``)."""
     groups: dict[str, list[tuple[str, torch.Tensor]]] = {}
     for name, tensor in weights:
         groups.setdefault(module_of(name, packed), []).append((name, tensor))
@@ -199,33 +195,18 @@ def _load_into_scratch(
 ) -> tuple[list[ElementChanges], set[str]]:
     """Load one module's tensors through the model into scratch copies of its parameters."""
     scratch: dict[str, torch.Tensor] = {}
-    received: set[str] = set()
-    current: list[str] = []
-    restore: list[Callable[[], None]] = []
 
-    def recorder(param_name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        def load(*args: Any, **kwargs: Any) -> Any:  # (param, loaded_weight, ...), some as keywords
-            param = kwargs["param"] if "param" in kwargs else args[0]
-            copy = scratch.get(param_name)
+    def into_scratch(name: str, param: torch.Tensor, original: Callable[..., Any]) -> Callable[..., Any]:
+        def load(*args: Any, **kwargs: Any) -> Any:
+            copy = scratch.get(name)
             if copy is None:
-                copy = scratch[param_name] = _scratch_of(param)
-            received.add(current[0])
-            if "param" in kwargs:
-                return original(*args, **{**kwargs, "param": copy})
-            return original(copy, *args[1:], **kwargs)
+                copy = scratch[name] = scratch_of(param)
+            args, kwargs = with_param(args, kwargs, copy)
+            return original(*args, **kwargs)
 
         return load
 
-    try:
-        for name, param in params.items():
-            restore.append(_replace_loader(param, functools.partial(recorder, name), default_loader))
-        load_weights: Any = model.load_weights  # a vLLM model's; torch types it Tensor | Module
-        for name, tensor in group:  # one at a time, to know which name each loader call came from
-            current[:] = [name]
-            load_weights(iter([(name, tensor)]))
-    finally:
-        for undo in reversed(restore):
-            undo()
+    received = load_redirected(model, params, group, into_scratch, default_loader)
     changes = []
     for param_name, copy in scratch.items():
         live = params[param_name].data
@@ -235,34 +216,6 @@ def _load_into_scratch(
         if found is not None:
             changes.append(found)
     return changes, received
-
-
-def _scratch_of(param: torch.Tensor) -> torch.Tensor:
-    """A copy of ``param`` with its class and attributes, so its loader treats it as the parameter."""
-    data = param.data.clone()
-    data.__class__ = param.__class__
-    data.__dict__ = param.__dict__.copy()
-    return data
-
-
-def _replace_loader(
-    param: torch.Tensor, wrap: Callable[[Callable[..., Any]], Callable[..., Any]], default_loader: Callable[..., Any]
-) -> Callable[[], None]:
-    """Put ``wrap(original loader)`` in place of the parameter's weight loader; returns the undo."""
-    if isinstance(getattr(type(param), "weight_loader", None), property):  # the engines' parameter classes
-        old = param._weight_loader  # type: ignore[attr-defined]
-        param._weight_loader = wrap(old)  # type: ignore[attr-defined]
-        return lambda: setattr(param, "_weight_loader", old)
-    old_attr = param.__dict__.get("weight_loader", _MISSING)
-    param.weight_loader = wrap(default_loader if old_attr is _MISSING else old_attr)  # type: ignore[attr-defined]
-
-    def undo() -> None:
-        if old_attr is _MISSING:
-            del param.weight_loader  # type: ignore[attr-defined]
-        else:
-            param.weight_loader = old_attr  # type: ignore[attr-defined]
-
-    return undo
 
 
 def _merged(changes: Iterable[ElementChanges]) -> list[ElementChanges]:

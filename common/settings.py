@@ -36,10 +36,11 @@ class DrainPolicy(str, Enum):
 class SwapPath(str, Enum):
     """Which swap path a server takes (``Settings.swap_path``)."""
 
-    AUTO = "auto"  # arena where the engine's parameters are plain host tensors, else reload
+    AUTO = "auto"  # arena where the parameters are plain host tensors, else shadow where the engine can, else reload
     ARENA = "arena"  # ask the engine for plain parameters where it allows it; reload where it cannot
     RELOAD = "reload"  # always the engine's own loader
     INPLACE = "inplace"  # write only the changed elements into plain live parameters (undo log); reload elsewhere
+    SHADOW = "shadow"  # build the changed modules processed (repacked) before the pause, switch them in it
 
 
 class VerifySwaps(str, Enum):

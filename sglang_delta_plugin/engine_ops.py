@@ -70,8 +70,11 @@ def _describe(scheduler: Any, server_args: Any) -> tuple[Any, str]:
     from delta_swap.settings import Settings, SwapPath
     from delta_swap.torch_params import check_matches, plan_layout
 
-    if Settings.load().swap_path is SwapPath.RELOAD:  # the HTTP server process exported it
+    swap_path = Settings.load().swap_path  # the HTTP server process exported it
+    if swap_path is SwapPath.RELOAD:
         return None, "--delta-swap-swap-path reload"
+    if swap_path is SwapPath.SHADOW:
+        return None, "--delta-swap-swap-path shadow: no shadow build for SGLang yet (it loads tensors in place)"
     if (getattr(server_args, "tp_size", 1) or 1) != 1:
         return None, "tensor parallelism: every rank holds its own shard"
     model = scheduler.tp_worker.model_runner.model

@@ -14,12 +14,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from delta_swap.testing.engine_exactness import PROMPTS, Chain, status, wait_for
+from delta_swap.testing.engine_exactness import PROMPTS, Chain, _cannot_take, status, wait_for
 from examples.servers import vllm as vllm_server
 from examples.servers.process import Server
 from examples.tiny_model import perturb_weights
 from tests.support.exactness import TinyModelExactness
-from vllm_delta_plugin.adapter import FAIL_SCATTER_ENV
+from vllm_delta_plugin.adapter import FAIL_BUILD_ENV, FAIL_SCATTER_ENV
 
 pytestmark = pytest.mark.engine
 
@@ -157,35 +157,38 @@ class TestQwen2MoeArena(VllmExactness):
     family, swap_path = "qwen2_moe", "arena"
 
 
-class TestQwen2Inplace(VllmExactness):
-    """Changed elements written into the live parameters (biases alone, one constituent of a
-    fused module); then a failure injected after the first of several parameters is written."""
+def failure_marker(workdir: Path, env: str, log_name: str) -> Path:
+    """The marker file (made by a test) that injects ``env``'s failure into the server logging to ``log_name``."""
+    return workdir / f"{env.lower()}-{log_name}"
 
-    family, swap_path = "qwen2", "inplace"
+
+class InjectedFailures(VllmExactness):
+    """A failure injected into a swap (a marker file the test makes, read by the API server) leaves
+    the previous weights served exactly; the retry then swaps the step in."""
 
     def start_server(self, model: Path, workdir: Path, settings: Mapping[str, object], log_name: str) -> Server:
-        self.env = {FAIL_SCATTER_ENV: str(workdir / f"fail-scatter-{log_name}")}  # a file made by the test
+        self.env = {env: str(failure_marker(workdir, env, log_name)) for env in (FAIL_SCATTER_ENV, FAIL_BUILD_ENV)}
         return super().start_server(model, workdir, settings, log_name)
 
-    def test_a_failure_mid_scatter_keeps_the_previous_weights_served_exactly(self, chain: Chain) -> None:
+    def check_a_failed_swap(self, chain: Chain, env: str, message: str) -> None:
+        """Make ``env``'s marker (fail after the first parameter or module), publish a step that
+        changes every layer-0 module, and check the failure, the served weights and the retry."""
         st = status(chain.server.url)
-        if st["swap_path"] != "inplace":
-            pytest.skip(f"vllm cannot swap in place here: {st['swap_path_reason']}")
-        marker = chain.workdir / "fail-scatter-plugin.log"
+        if st["swap_path"] != self.swap_path:
+            pytest.skip(_cannot_take(st, self.family, self.swap_path))
+        marker = failure_marker(chain.workdir, env, "plugin.log")
         step, failures = len(chain.checkpoints), st["failures"]
         before = [completion_logprobs(chain.server.url, p) for p in PROMPTS]
-        marker.write_text("1")  # fail after the first parameter of the layer
+        marker.write_text("1")
         try:
             checkpoint = perturb_weights(
                 chain.checkpoints[-1], chain.workdir / f"step-{step}", only=r"layers\.0\.", seed=step
             )
             self.publish(chain.store, step, checkpoint)
             st = wait_for(chain.server.url, lambda s: s["failures"] > failures or s["current_step"] == step, 300)
-            assert st["current_step"] == step - 1 and "injected failure after writing 1 parameters" in (
-                st["last_error"] or ""
-            ), st
+            assert st["current_step"] == step - 1 and message in (st["last_error"] or ""), st
             served = [completion_logprobs(chain.server.url, p) for p in PROMPTS]
-            assert served == before, "the undone scatter left other weights served"
+            assert served == before, "the undone swap left other weights served"
         finally:
             marker.unlink(missing_ok=True)
         chain.checkpoints.append(checkpoint)
@@ -193,6 +196,48 @@ class TestQwen2Inplace(VllmExactness):
         reference = self._reference(checkpoint, chain.workdir, f"ref-{step}.log")
         assert [completion_logprobs(chain.server.url, p) for p in PROMPTS] == reference
         assert reference != before
+
+
+class TestQwen2Inplace(InjectedFailures):
+    """Changed elements written into the live parameters (biases alone, one constituent of a
+    fused module); then a failure injected after the first of several parameters is written."""
+
+    family, swap_path = "qwen2", "inplace"
+
+    def test_a_failure_mid_scatter_keeps_the_previous_weights_served_exactly(self, chain: Chain) -> None:
+        self.check_a_failed_swap(chain, FAIL_SCATTER_ENV, "injected failure after writing 1 parameters")
+
+
+class TestQwen2Shadow(InjectedFailures):
+    """Changed modules built repacked before the pause and switched in it (biases alone, one
+    constituent of a fused module); then failures injected mid-build and mid-switch."""
+
+    family, swap_path = "qwen2", "shadow"
+
+    def test_a_failure_mid_build_never_touches_the_served_weights(self, chain: Chain) -> None:
+        self.check_a_failed_swap(chain, FAIL_BUILD_ENV, "injected failure mid-build after 1 shadow modules")
+
+    def test_a_failure_mid_switch_keeps_the_previous_weights_served_exactly(self, chain: Chain) -> None:
+        self.check_a_failed_swap(chain, FAIL_SCATTER_ENV, "injected failure after switching 1 modules")
+
+
+class TestQwen3TiedShadow(VllmExactness):
+    """The embedding alone of a tied model: the tied head is rebuilt on the new embedding."""
+
+    family, swap_path = "qwen3", "shadow"
+
+
+class TestQwen3MoeShadow(VllmExactness):
+    """The router alone is built as a shadow; an update to one expert reloads the MoE layer (the
+    experts' CPU kernel keeps state outside the module)."""
+
+    family, swap_path = "qwen3_moe", "shadow"
+
+
+class TestQwen3MoeShadowTP2(TensorParallel2):
+    """Each tensor-parallel rank builds the shadows of its own shards."""
+
+    family, swap_path = "qwen3_moe", "shadow"
 
 
 @pytest.mark.full_matrix("the tied embedding in place: TestQwen3TiedInplaceTP2")

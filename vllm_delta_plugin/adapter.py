@@ -11,6 +11,12 @@ Three paths, chosen once per server from what the workers report (``describe``):
   tensor-parallel rank): the changed tensors are staged, and while the engine generates each worker
   works out which elements of its parameters change (through the model's own loaders) and keeps
   them next to them; the pause writes only those, with an undo log (:mod:`delta_swap.inplace`);
+* **shadow** (vLLM's CPU path where it repacks weights for oneDNN or AMX; ``auto`` there): the
+  changed tensors, completed to whole modules, are staged, and while the engine generates each
+  worker builds the changed modules' new weights processed as vLLM processes them (shadow modules,
+  :mod:`delta_swap.shadow`); the pause switches the live modules to them by reference, the old ones
+  kept until the swap is final. An update that loads into a module the shadow build cannot make
+  (MoE experts) takes the reload path;
 * **reload** (everywhere else, or with ``DELTA_SWAP_SWAP_PATH=reload``): the changed tensors,
   completed to whole modules (:mod:`delta_swap.module_groups`: fused q/k/v and gate/up with their biases,
   every expert of an MoE layer), are staged as one safetensors file in shared memory and loaded
@@ -25,6 +31,7 @@ no KV computed with the old weights is reused.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import re
@@ -66,6 +73,8 @@ class StagedFile:
     verify: bool = False
     #: The in-place path: the workers hold the changed elements (``stage_inplace``) of this file.
     inplace: bool = False
+    #: The shadow path: the workers hold shadow modules built from this file (``stage_shadow``).
+    shadow: bool = False
 
 
 def packed_modules_of(vllm_config: Any) -> Mapping[str, Sequence[str]] | None:
@@ -125,7 +134,10 @@ class VllmAdapter(EngineAdapter):
         self.arenas: ArenaPair | None = None
         #: Whether the workers write changed elements in place (the inplace path).
         self.inplace = False
-        #: What the workers staged for the last in-place swap ({"elements": ..., "bytes": ...}).
+        #: Whether the workers build shadow modules before the pause (the shadow path).
+        self.shadow = False
+        #: What the workers staged for the last in-place or shadow swap ({"elements" or "modules",
+        #: "bytes", "seconds"}; "fallback": why it was reloaded instead).
         self.last_staged: dict[str, Any] | None = None
         self._described = False
         #: Why this server swaps the way it does (shown in the status).
@@ -153,6 +165,8 @@ class VllmAdapter(EngineAdapter):
             if self.arenas
             else "inplace"
             if self.inplace
+            else "shadow"
+            if self.shadow
             else "reload"
             if self._described
             else None,
@@ -192,6 +206,7 @@ class VllmAdapter(EngineAdapter):
                 self._groups = module_groups(self.served.specs, self.packed)
             self.path_reason = doc["reason"]
             self.inplace = bool(doc.get("inplace"))
+            self.shadow = bool(doc.get("shadow"))
             if self.inplace:
                 log.info("delta_swap: writing changed elements in place on each swap (%s)", doc["reason"])
             elif doc["layout"]:
@@ -202,10 +217,16 @@ class VllmAdapter(EngineAdapter):
                 except EngineError as exc:  # e.g. no room in the staging folder: the slower path still works
                     self.path_reason = f"no weight arenas: {exc}"
                     log.warning("delta_swap: no weight arenas (%s); falling back to the %s path", exc, "reload")
+            elif self.shadow:
+                log.info("delta_swap: building changed modules before each swap (%s)", doc["reason"])
             else:
                 log.info("delta_swap: reloading changed tensors on each swap (%s)", doc["reason"])
             asked = self.settings.swap_path
-            if (asked is SwapPath.ARENA and self.arenas is None) or (asked is SwapPath.INPLACE and not self.inplace):
+            if (
+                (asked is SwapPath.ARENA and self.arenas is None)
+                or (asked is SwapPath.INPLACE and not self.inplace)
+                or (asked is SwapPath.SHADOW and not self.shadow)
+            ):
                 log.warning(
                     "delta_swap: DELTA_SWAP_SWAP_PATH=%s, but this engine cannot take that path (%s): reloading instead",
                     asked.value,
@@ -245,19 +266,26 @@ class VllmAdapter(EngineAdapter):
                     write_safetensors(fh, [(n, update.state[n]) for n in tensors])
 
         await asyncio.to_thread(write)
-        staged = StagedFile(path, names, check_path, check, verify, inplace=self.inplace)
-        if self.inplace:
+        staged = StagedFile(path, names, check_path, check, verify, inplace=self.inplace, shadow=self.shadow)
+        if staged.inplace or staged.shadow:
             try:
-                await self._stage_inplace(path, names)
+                fallback = await self._stage_on_workers(
+                    "stage_inplace" if staged.inplace else "stage_shadow", path, names
+                )
             except BaseException:
                 await self.unstage(staged)
                 raise
+            if fallback is not None:  # a module the shadow build cannot make: reload this update
+                await self._call({"op": "drop_staged"})
+                staged = dataclasses.replace(staged, shadow=False)
         return staged
 
-    async def _stage_inplace(self, path: str, names: list[str]) -> None:
-        """Have every worker work out the changed elements of its parameters (on a thread of its
-        own: the engine generates meanwhile), and wait until all have."""
-        await self._call({"op": "stage_inplace", "path": path, "names": names})
+    async def _stage_on_workers(self, op: str, path: str, names: list[str]) -> str | None:
+        """Have every worker stage the update its way (``op``: work out the changed elements of its
+        parameters, or build shadow modules; on a thread of its own, so the engine generates
+        meanwhile), and wait until all have; returns why a worker cannot (None: all did)."""
+        fail_after = _injected_failure(FAIL_BUILD_ENV) if op == "stage_shadow" else -1
+        await self._call({"op": op, "path": path, "names": names, "fail_after": fail_after})
         output = path + ".staged.json"
         while True:
             try:
@@ -267,18 +295,25 @@ class VllmAdapter(EngineAdapter):
             if answers and all(a["done"] for a in answers):
                 break
             await asyncio.sleep(STAGE_POLL_S)
+        fallbacks = sorted({a["fallback"] for a in answers if a.get("fallback")})
+        if fallbacks:
+            self.last_staged = {"fallback": "; ".join(fallbacks)}
+            log.info("delta_swap: reloading this update: %s", self.last_staged["fallback"])
+            return self.last_staged["fallback"]
+        count = "elements" if op == "stage_inplace" else "modules"
         self.last_staged = {
-            "elements": sum(a["elements"] for a in answers),
+            count: sum(a[count] for a in answers),
             "bytes": max(a["bytes"] for a in answers),
             "seconds": max(a["seconds"] for a in answers),
         }
+        return None
 
     async def unstage(self, staged: StagedFile | Arena) -> None:
         if isinstance(staged, StagedFile):
             for file in {staged.path, staged.verify_path}:
                 os.unlink(file)
-            if staged.inplace:  # the workers drop the staged elements and the undo log
-                await self._call({"op": "drop_inplace"})
+            if staged.inplace or staged.shadow:  # the workers drop what they staged and the undo
+                await self._call({"op": "drop_staged"})
 
     async def close(self) -> None:
         if self.arenas is not None:  # the workers keep their mappings until they exit
@@ -310,8 +345,13 @@ class VllmAdapter(EngineAdapter):
             assert self.arenas is not None
             self.arenas.live = staged
         else:
+            # tests inject failures into swaps, not into the swap back to the version served (a rollback)
+            rollback = update.version is not None and update.version == await self.weight_version()
+            fail_after = -1 if rollback else _injected_failure()
             if staged.inplace:  # a worker that fails undoes its writes and answers the error
-                await self._apply(staged, {"op": "scatter", "fail_after": _injected_failure()}, answered=True)
+                await self._apply(staged, {"op": "scatter", "fail_after": fail_after}, answered=True)
+            elif staged.shadow:  # likewise, switching its modules back
+                await self._apply(staged, {"op": "switch", "fail_after": fail_after}, answered=True)
             else:
                 await self._apply(staged, {"op": "load", "path": staged.path, "names": staged.names})
             if update.version is not None:
@@ -365,13 +405,17 @@ class VllmAdapter(EngineAdapter):
 #: How often the API server asks the workers whether they have staged an in-place update.
 STAGE_POLL_S = 0.01
 
-#: Tests only: while this file exists and holds N, every in-place swap fails after writing N parameters.
+#: Tests only: while this file exists and holds N, every in-place (shadow) swap fails after writing N
+#: parameters (switching N modules).
 FAIL_SCATTER_ENV = "DELTA_SWAP_TEST_FAIL_SCATTER"
+#: Tests only: while this file exists and holds N, every shadow build fails after building N modules.
+FAIL_BUILD_ENV = "DELTA_SWAP_TEST_FAIL_BUILD"
 
 
-def _injected_failure() -> int:
-    """The number of parameters after which the next scatter fails (-1: it does not)."""
-    marker = os.environ.get(FAIL_SCATTER_ENV)
+def _injected_failure(env: str = FAIL_SCATTER_ENV) -> int:
+    """The number of parameters (modules) after which the next scatter or switch (shadow build)
+    fails, from the marker file ``env`` names (-1: it does not)."""
+    marker = os.environ.get(env)
     if not marker or not os.path.exists(marker):
         return -1
     return int(Path(marker).read_text().strip() or 0)

@@ -16,6 +16,13 @@
   on a thread of the worker, so the engine keeps generating, and ``stage_wait`` answers whether
   that is done; in the pause ``scatter`` writes them with an undo log (:mod:`delta_swap.inplace`),
   reads the changed modules back if asked, and undoes everything on any failure;
+* ``stage_shadow`` / ``stage_wait`` / ``switch`` / ``drop_staged``: the shadow path (where vLLM
+  repacks its CPU weights for oneDNN or AMX): ``stage_shadow`` starts building the changed modules'
+  new weights, processed as vLLM processes them, into shadow modules on a thread of the worker
+  (:mod:`delta_swap.shadow`, :mod:`.shadow_build`), and answers through ``stage_wait`` whether that
+  is done (or why this update must be reloaded instead: a module the shadow build cannot make, such
+  as MoE experts); in the pause ``switch`` points every changed module at its shadow, reads the
+  changed modules back if asked, and switches back on any failure;
 * ``load`` (default): load the tensors of a staged safetensors file or checkpoint folder through
   vLLM's layerwise reload, which works after CPU (oneDNN, AMX) or GPU post-load processing has
   repacked the weights: the reload path, used everywhere else. Modules that share a parameter
@@ -58,9 +65,11 @@ from delta_swap.readback import modules_sharing_parameters_with as _modules_shar
 from delta_swap.readback import verify_modules
 from delta_swap.served_model import ServedModel
 from delta_swap.settings import Settings, SwapPath
+from delta_swap.shadow import ShadowBuild, ShadowUnsupported, build_shadows
 from delta_swap.torch_params import check_matches, plan_layout, point_parameters
 
 from .readback_shards import local_shards
+from .shadow_build import VllmShadowEngine, shadow_possible
 from .worker_results import write_worker_result
 
 log = logging.getLogger("vllm_delta_plugin")
@@ -85,7 +94,8 @@ class DeltaSwapUpdateInfo(WeightTransferUpdateInfo):
     #: (``verify_names`` of it), in the same call; the result goes to ``output``.
     verify_path: str = ""
     verify_names: list[str] = field(default_factory=list)
-    #: With ``scatter``: fail after writing this many parameters (tests of the undo log; -1: never).
+    #: With ``scatter`` / ``switch``: fail after writing this many parameters or switching this many
+    #: modules (tests of the undo; -1: never).
     fail_after: int = -1
 
 
@@ -99,6 +109,15 @@ def _read_tensors(path: str, wanted: set[str]) -> list[tuple[str, torch.Tensor]]
         with safe_open(str(file), framework="pt", device="cpu") as f:
             out.extend((name, f.get_tensor(name)) for name in f.keys() if not wanted or name in wanted)
     return out
+
+
+@dataclass(frozen=True)
+class InplaceStaged:
+    """What a worker staged for an in-place swap: the changed elements and the old values there."""
+
+    changes: list[ElementChanges]
+    saved: UndoLog
+    seconds: float
 
 
 class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapUpdateInfo]):
@@ -118,11 +137,11 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         self._active = False
         self._layout: ArenaLayout | None = None
         self._arenas: dict[str, Arena] = {}
-        #: The in-place path: the changes being staged (a thread of this worker works them out
-        #: while the engine generates), and the undo log of the last scatter.
-        self._staging: Future[tuple[list[ElementChanges], UndoLog, float]] | None = None
+        #: The in-place and shadow paths: what is being staged (a thread of this worker works it
+        #: out while the engine generates), and the undo of the last scatter or switch.
+        self._staging: Future[InplaceStaged | ShadowBuild] | None = None
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="delta-swap-stage")
-        self._undo: UndoLog | None = None
+        self._undo: UndoLog | ShadowBuild | None = None
 
     def init_transfer_engine(self, init_info: DeltaSwapInitInfo) -> None:
         pass
@@ -148,8 +167,12 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             self._scatter(update_info)
         elif update_info.op == "stage_wait":
             self._stage_wait(update_info.output)
-        elif update_info.op == "drop_inplace":
-            self._drop_inplace()
+        elif update_info.op == "stage_shadow":
+            self._stage_shadow(update_info)
+        elif update_info.op == "switch":
+            self._switch(update_info)
+        elif update_info.op in ("drop_staged", "drop_inplace"):
+            self._drop_staged()
         else:
             raise ValueError(f"delta_swap: unknown operation {update_info.op!r}")
 
@@ -165,6 +188,8 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             return
         if swap_path is SwapPath.RELOAD:
             reason = "DELTA_SWAP_SWAP_PATH=reload"
+        elif swap_path is SwapPath.SHADOW:
+            reason = "DELTA_SWAP_SWAP_PATH=shadow"
         elif not self._served.specs:
             reason = "the served checkpoint is not a local folder"
         else:
@@ -175,7 +200,24 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             if mismatch is not None:
                 layout, reason = None, mismatch
         self._layout = layout
-        write_worker_result(output, {"layout": layout and layout.to_json(), "reason": reason, "packed": self._packed})
+        shadow = False
+        if layout is None and swap_path in (SwapPath.AUTO, SwapPath.SHADOW):
+            why_not = self._shadow_impossible()
+            shadow = why_not is None
+            reason = (
+                f"{reason}; new weights built as shadow modules before the pause" if shadow else f"{reason}; {why_not}"
+            )
+        write_worker_result(
+            output, {"layout": layout and layout.to_json(), "reason": reason, "packed": self._packed, "shadow": shadow}
+        )
+
+    def _shadow_impossible(self) -> str | None:
+        """Why this worker cannot build shadow modules (None: it can)."""
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():  # a switch by reference would leave CUDA graphs on the old tensors
+            return "shadow modules are built on the CPU platform only"
+        return shadow_possible()
 
     def _commit(self, path: str) -> None:
         """Point every parameter at the arena ``path`` (mapped on first use)."""
@@ -209,46 +251,110 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         log.info("delta_swap: parameters are plain; in-place swaps (checked in %.2fs)", time.perf_counter() - started)
         return True, "parameters are plain tensors holding the checkpoint's elements"
 
+    def _stage_shadow(self, update_info: DeltaSwapUpdateInfo) -> None:
+        """Start building the shadows of the modules the staged tensors load into (new weights,
+        processed as vLLM processes them) on this worker's staging thread: the engine goes on
+        generating meanwhile."""
+        self._drop_staged()
+        weights = _read_tensors(update_info.path, set(update_info.names))
+        self._validate(weights)
+
+        def fault(done: int) -> None:
+            if 0 <= update_info.fail_after <= done:
+                raise RuntimeError(f"delta_swap: injected failure mid-build after {done} shadow modules")
+
+        def work() -> ShadowBuild:
+            with set_current_vllm_config(self.vllm_config), torch.inference_mode():
+                build, _ignored = build_shadows(
+                    self.model, weights, self._packed, VllmShadowEngine(), default_weight_loader, fault
+                )
+            return build
+
+        self._staging = self._stager.submit(work)
+
+    def _switch(self, update_info: DeltaSwapUpdateInfo) -> None:
+        """Point every changed module at its shadow (the old states kept), then read the changed
+        modules back if asked; any failure switches back and is answered in ``output``."""
+        started = time.perf_counter()
+
+        def fault(done: int) -> None:
+            if 0 <= update_info.fail_after <= done:
+                raise RuntimeError(f"delta_swap: injected failure after switching {done} modules")
+
+        try:
+            build = self._staging.result() if self._staging is not None else None
+            if not isinstance(build, ShadowBuild):
+                raise RuntimeError("delta_swap: switch before stage_shadow")
+            build.switch(fault if update_info.fail_after >= 0 else None)
+            self._undo = build
+        except Exception as exc:  # switched back
+            log.error("delta_swap: the shadow switch failed and was undone: %s", exc)
+            write_worker_result(
+                update_info.output, {"checks": 0, "seconds": 0.0, "error": f"{type(exc).__name__}: {exc}"}
+            )
+            return
+        switched = time.perf_counter() - started
+        log.info("delta_swap: switched %d modules to their shadows in %.1f ms", len(build.switches), 1000 * switched)
+        if not update_info.verify_path:
+            write_worker_result(update_info.output, {"checks": 0, "seconds": 0.0, "written_s": switched})
+            return
+        if not self._verify(update_info.verify_path, update_info.verify_names, update_info.output):
+            build.undo()
+            log.error("delta_swap: the read-back after the shadow switch failed: the old modules are back")
+
     def _stage_inplace(self, update_info: DeltaSwapUpdateInfo) -> None:
         """Start working out, through the model's own loaders, which elements of this rank's
         parameters the staged tensors change (positions and new values, kept next to the
         parameters), on this worker's staging thread: the engine goes on generating meanwhile."""
-        self._drop_inplace()
+        self._drop_staged()
         weights = _read_tensors(update_info.path, set(update_info.names))
         self._served.check_fits(
             {name: (from_torch_dtype(t.dtype), tuple(t.shape)) for name, t in weights}, complete=False
         )
 
-        def work() -> tuple[list[ElementChanges], UndoLog, float]:
+        def work() -> InplaceStaged:
             started = time.perf_counter()
             with set_current_vllm_config(self.vllm_config), torch.inference_mode():
                 changes, _ignored = element_changes(self.model, weights, self._packed, default_weight_loader)
                 saved = save_old_values(dict(self.model.named_parameters()), changes)
-            return changes, saved, time.perf_counter() - started
+            return InplaceStaged(changes, saved, time.perf_counter() - started)
 
         self._staging = self._stager.submit(work)
 
     def _stage_wait(self, output: str) -> None:
-        """Answer whether the staging thread is done (never waits for it), with what it found."""
+        """Answer whether the staging thread is done (never waits for it), with what it found; a
+        shadow build that met a module it cannot make answers ``fallback`` (reload this update)."""
         staging = self._staging
         if staging is None:
             write_worker_result(output, {"done": True, "error": "delta_swap: nothing is being staged"})
         elif not staging.done():
             write_worker_result(output, {"done": False})
+        elif isinstance(staging.exception(), ShadowUnsupported):
+            write_worker_result(output, {"done": True, "fallback": str(staging.exception())})
         elif staging.exception() is not None:
             exc = staging.exception()
+            log.error("delta_swap: staging failed", exc_info=exc)
             write_worker_result(output, {"done": True, "error": f"{type(exc).__name__}: {exc}"})
         else:
-            changes, _saved, seconds = staging.result()
-            elements = sum(c.positions.numel() for c in changes)
-            log.info(
-                "delta_swap: staged %d changed elements of %d parameters in %.3fs", elements, len(changes), seconds
-            )
-            nbytes = sum(c.nbytes for c in changes)
-            write_worker_result(output, {"done": True, "elements": elements, "bytes": nbytes, "seconds": seconds})
+            staged = staging.result()
+            if isinstance(staged, ShadowBuild):
+                answer = {"modules": len(staged.switches), "bytes": staged.nbytes, "seconds": staged.seconds}
+                log.info("delta_swap: built %d shadow modules in %.3fs", len(staged.switches), staged.seconds)
+            else:
+                elements = sum(c.positions.numel() for c in staged.changes)
+                answer = {"elements": elements, "bytes": sum(c.nbytes for c in staged.changes)}
+                answer["seconds"] = staged.seconds
+                log.info(
+                    "delta_swap: staged %d changed elements of %d parameters in %.3fs",
+                    elements,
+                    len(staged.changes),
+                    staged.seconds,
+                )
+            write_worker_result(output, {"done": True, **answer})
 
-    def _drop_inplace(self) -> None:
-        """Forget the staged changes and the undo log (waiting for a staging thread still running)."""
+    def _drop_staged(self) -> None:
+        """Forget what was staged and the undo of the last swap (waiting for a staging thread
+        still running): the swap is final, or was never made."""
         staging, self._staging, self._undo = self._staging, None, None
         if staging is not None:
             staging.cancel()
@@ -267,11 +373,13 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
                 raise RuntimeError(f"delta_swap: injected failure after writing {done} parameters")
 
         try:
-            if self._staging is None:
+            staged = self._staging.result() if self._staging is not None else None  # done: waited for before the pause
+            if not isinstance(staged, InplaceStaged):
                 raise RuntimeError("delta_swap: scatter before stage_inplace")
-            changes, saved, _ = self._staging.result()  # done: the API server waited for it before the pause
+            changes = staged.changes
             with torch.inference_mode():
-                self._undo = scatter(params, changes, fault if update_info.fail_after >= 0 else None, saved)
+                undo = scatter(params, changes, fault if update_info.fail_after >= 0 else None, staged.saved)
+                self._undo = undo
                 if torch.accelerator.is_available():
                     torch.accelerator.synchronize()
         except Exception as exc:  # scatter undid its writes
@@ -287,7 +395,7 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             return
         if not self._verify(update_info.verify_path, update_info.verify_names, update_info.output):
             with torch.inference_mode():
-                self._undo.undo()
+                undo.undo()
             log.error("delta_swap: the read-back after the in-place swap failed: the old values are back")
 
     def _load(self, update_info: DeltaSwapUpdateInfo) -> None:

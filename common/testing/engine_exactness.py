@@ -103,7 +103,7 @@ class EngineExactnessTests:
 
     #: A key of :data:`PARTIAL_DELTAS`.
     family: ClassVar[str] = "llama"
-    #: ``Settings.swap_path`` for the server and the references: auto, arena, inplace or reload.
+    #: ``Settings.swap_path`` for the server and the references: auto, arena, inplace, shadow or reload.
     swap_path: ClassVar[str] = "auto"
     #: Other ``Settings`` fields for the plugin server.
     settings: ClassVar[Mapping[str, object]] = {}
@@ -187,14 +187,14 @@ class EngineExactnessTests:
         assert st["swap_path_reason"], st
         if self.swap_path == "reload":
             assert st["swap_path"] in ("reload", "tensor"), st
-        elif self.swap_path in ("arena", "inplace") and st["swap_path"] != self.swap_path:
+        elif self.swap_path in ("arena", "inplace", "shadow") and st["swap_path"] != self.swap_path:
             pytest.skip(_cannot_take(st, self.family, self.swap_path))
 
     def test_every_partial_delta_serves_what_a_fresh_server_serves(
         self, chain: Chain, request: pytest.FixtureRequest
     ) -> None:
         st = status(chain.server.url)
-        if self.swap_path in ("arena", "inplace") and st["swap_path"] != self.swap_path:
+        if self.swap_path in ("arena", "inplace", "shadow") and st["swap_path"] != self.swap_path:
             reason = _cannot_take(st, self.family, self.swap_path)
             self._record(request, st, skipped=reason)
             pytest.skip(reason)
@@ -210,7 +210,7 @@ class EngineExactnessTests:
             st = wait_for(chain.server.url, reached, 300)
             assert st["current_step"] == step and st["last_error"] is None, (what, st)
             verification = st.get("last_verification")
-            if st["swap_path"] in ("reload", "tensor", "inplace"):  # read back with verify_swaps=always
+            if st["swap_path"] in ("reload", "tensor", "inplace", "shadow"):  # read back with verify_swaps=always
                 assert verification is not None, st
                 assert verification["checks"] > 0, st  # the read-back ran (every tensor-parallel rank too)
                 assert self.read_back_may_skip or not verification.get("skipped"), st
@@ -286,8 +286,9 @@ def wait_for(url: str, pred: Callable[[dict[str, Any]], bool], timeout: float = 
 
 
 #: A server without a store reads ``swap_path`` only to choose how it keeps its weights; arena and
-#: in-place swaps both ask for the checkpoint's plain layout, so their references are one server.
-_REFERENCE_SWAP_PATH = {"inplace": "arena"}
+#: in-place swaps both ask for the checkpoint's plain layout, and shadow and reload servers both keep
+#: the engine's own (repacked) one, so each pair's references are one server.
+_REFERENCE_SWAP_PATH = {"inplace": "arena", "shadow": "reload"}
 
 #: Reference logprobs of this test session, by (engine, settings, extra arguments, checkpoint digest).
 _REFERENCES: dict[tuple[Any, ...], list[list[Any]]] = {}
@@ -324,5 +325,7 @@ def _numbers(value: Any) -> list[float]:
 
 def _cannot_take(st: Mapping[str, Any], family: str, path: str) -> str:
     """Why the engine took another path than the one asked for (its status says why)."""
-    how = {"arena": "by reference", "inplace": "in place"}.get(path, f"on the {path} path")
+    how = {"arena": "by reference", "inplace": "in place", "shadow": "by shadow modules"}.get(
+        path, f"on the {path} path"
+    )
     return f"{st['engine']} cannot swap {family} {how} here: {st['swap_path_reason']}"
