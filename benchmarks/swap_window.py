@@ -2,7 +2,7 @@
 the engine's own full reload of the same weights, and a restart, on vLLM and SGLang (CPU).
 
     python -m benchmarks.swap_window [--engines vllm sglang] [--sizes 25M 60M 100M 160M 350M] [--updates 5]
-                                     [--swap-paths auto inplace arena reload] [--no-restart]
+                                     [--swap-paths auto inplace arena shadow reload] [--no-restart]
 
 For each engine and size: a server follows a store while a trainer publishes RL-sized updates
 (2% of elements moved by 1-3 ULP); delta-swap's window is the server's pause + swap + resume time
@@ -10,7 +10,7 @@ of each update. In the same server the engine then reloads the same weights itse
 ``reload_weights`` from a folder, its layerwise reload; SGLang: ``update_weights_from_disk``),
 which blocks generation for its whole duration. Last, a fresh server is started on the model.
 Each ``--swap-paths`` entry is a server of its own (``Settings.swap_path``; the status says which
-path it took and why, e.g. ``auto`` takes ``reload`` where vLLM repacked its weights for AMX or
+path it took and why, e.g. ``auto`` takes ``shadow`` where vLLM repacked its weights for AMX or
 AVX512-BF16). Prints the CPU flags that decide the path, then a table (medians) with the stage
 (before the pause), each phase of the window, the window / reload ratio, and writes
 docs/swap_window.png and a JSON of every measurement. Also records each update's
@@ -164,7 +164,7 @@ def main() -> None:
         "--swap-paths",
         nargs="+",
         default=["auto"],
-        choices=["auto", "inplace", "arena", "reload"],
+        choices=["auto", "inplace", "arena", "shadow", "reload"],
         help="one server each",
     )
     parser.add_argument("--no-restart", action="store_true", help="skip timing a fresh server's start")

@@ -250,11 +250,12 @@ def test_swap_matches_a_fresh_server_with_no_stale_prefix_kv(live, models, refer
 
 
 def expected_swap_path() -> str:
-    """On CPUs without AMX or AVX512-BF16 vLLM keeps bf16 weights as plain tensors: arenas apply."""
+    """On CPUs without AMX or AVX512-BF16 vLLM keeps bf16 weights as plain tensors: arenas apply;
+    with them it repacks its linear weights, and the changed modules are built as shadows."""
     import torch
 
     packed = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
-    return "reload" if packed else "arena"
+    return "shadow" if packed else "arena"
 
 
 def test_the_openai_routes_report_the_weight_version(live) -> None:

@@ -56,10 +56,14 @@ class TestQwen2Reload(VllmExactness):
     family, swap_path = "qwen2", "reload"
 
 
+@pytest.mark.full_matrix(
+    "the tied embedding on reload: TestQwen3TiedReloadDP2; on the shadow path: TestQwen3TiedShadow"
+)
 class TestQwen3TiedReload(VllmExactness):
     family, swap_path = "qwen3", "reload"
 
 
+@pytest.mark.full_matrix("MoE experts reloaded: TestQwen3MoeShadow (an expert update takes the reload path there)")
 class TestQwen3MoeReload(VllmExactness):
     family, swap_path = "qwen3_moe", "reload"
 
@@ -91,6 +95,7 @@ class TestQwen3TiedReloadTP2(TensorParallel2):
     family, swap_path = "qwen3", "reload"
 
 
+@pytest.mark.full_matrix("MoE experts reloaded at TP 2: TestQwen3MoeShadowTP2")
 class TestQwen3MoeReloadTP2(TensorParallel2):
     """MoE experts sharded over two tensor-parallel ranks: each rank reloads and reads back its
     own shard of the experts (the sampled expert against the kernel's prepack of that shard)."""
@@ -232,12 +237,15 @@ class TestQwen3MoeShadow(VllmExactness):
     experts' CPU kernel keeps state outside the module)."""
 
     family, swap_path = "qwen3_moe", "shadow"
+    reloaded = frozenset({"one expert of one layer"})
 
 
 class TestQwen3MoeShadowTP2(TensorParallel2):
-    """Each tensor-parallel rank builds the shadows of its own shards."""
+    """Each tensor-parallel rank builds the shadows of its own shards (the router); an expert's
+    update reloads each rank's shard of the experts."""
 
     family, swap_path = "qwen3_moe", "shadow"
+    reloaded = frozenset({"one expert of one layer"})
 
 
 @pytest.mark.full_matrix("the tied embedding in place: TestQwen3TiedInplaceTP2")

@@ -113,6 +113,9 @@ class EngineExactnessTests:
     extra: tuple[str, ...] = ()
     #: The adapter's name as its status gives it, for a record made when the server did not start.
     engine: ClassVar[str] = ""
+    #: On the shadow path, the partial deltas (by what moves) that load into a module the engine
+    #: cannot build as a shadow, so that the update is reloaded instead (the status says why).
+    reloaded: ClassVar[frozenset[str]] = frozenset()
 
     # ------------------------------------------------------------------ engine hooks
 
@@ -209,6 +212,9 @@ class EngineExactnessTests:
 
             st = wait_for(chain.server.url, reached, 300)
             assert st["current_step"] == step and st["last_error"] is None, (what, st)
+            if st["swap_path"] == "shadow":  # built as shadows, or reloaded where the engine said so
+                fallback = (st.get("last_staged") or {}).get("fallback")
+                assert bool(fallback) == (what in self.reloaded), (what, st)
             verification = st.get("last_verification")
             if st["swap_path"] in ("reload", "tensor", "inplace", "shadow"):  # read back with verify_swaps=always
                 assert verification is not None, st
