@@ -47,11 +47,12 @@ def completion_logprobs(url: str, prompt: list[int], headers: Mapping[str, str] 
     return [logprobs["token_logprobs"], logprobs["top_logprobs"]]
 
 
-@pytest.mark.full_matrix("fused constituents on reload: TestQwen2Reload; llama: TestLlamaArena")
+@pytest.mark.full_matrix("fused constituents: TestQwen2Shadow; llama: TestLlamaArena")
 class TestLlamaReload(VllmExactness):
     family, swap_path = "llama", "reload"
 
 
+@pytest.mark.full_matrix("biases and a fused constituent completed to whole modules as on reload: TestQwen2Shadow")
 class TestQwen2Reload(VllmExactness):
     family, swap_path = "qwen2", "reload"
 
@@ -88,7 +89,7 @@ class TensorParallel2(VllmExactness):
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 
-@pytest.mark.full_matrix("TP 2 on reload: TestQwen3MoeReloadTP2")
+@pytest.mark.full_matrix("TP 2: TestQwen3MoeShadowTP2 (its expert updates reload), TestQwen3TiedInplaceTP2")
 class TestQwen3TiedReloadTP2(TensorParallel2):
     """Every tensor-parallel rank reloads its shard."""
 
@@ -153,11 +154,16 @@ class TestLlamaArena(VllmExactness):
     family, swap_path = "llama", "arena"
 
 
+@pytest.mark.full_matrix(
+    "nothing: fused experts have no arena slot on any CPU (said and skipped); MoE: TestQwen3MoeShadow"
+)
 class TestQwen3MoeArena(VllmExactness):
     family, swap_path = "qwen3_moe", "arena"
 
 
-@pytest.mark.full_matrix("MoE on the arena path: TestQwen3MoeArena; qwen2_moe: TestQwen2MoeReload")
+@pytest.mark.full_matrix(
+    "nothing: fused experts have no arena slot (TestQwen3MoeArena says why); qwen2_moe: TestQwen2MoeReload"
+)
 class TestQwen2MoeArena(VllmExactness):
     family, swap_path = "qwen2_moe", "arena"
 
@@ -259,7 +265,7 @@ class TestQwen3TiedInplaceTP2(TensorParallel2):
     family, swap_path = "qwen3", "inplace"
 
 
-@pytest.mark.full_matrix("MoE swaps: TestQwen3MoeReload, TestQwen3MoeArena")
+@pytest.mark.full_matrix("MoE swaps: TestQwen3MoeShadow (its expert updates reload)")
 class TestQwen3MoeInplace(VllmExactness):
     """vLLM's CPU experts kernel prepacks the experts: no in-place path there (said and skipped)."""
 
