@@ -39,8 +39,12 @@ point here::
              arena                  weight arenas: one flat buffer per dtype, a live and a spare copy
              torch_params           pointing an engine's parameters into an arena
              module_groups          which checkpoint tensors an engine loads into one module
+             loader_redirect        loading through a model's own loaders into other tensors
+                                    than its live parameters
              inplace                writing only the changed elements into live parameters, with
                                     an undo log (swap_path=inplace)
+             shadow                 building changed modules processed before the pause and
+                                    switching them in it (swap_path=shadow)
              readback               reading back what an engine computes with after a swap (torch)
              verify_budget          when to read a swap back (verify_swaps=auto: within 10% of windows)
              swap                   one update, all or nothing: stage, pause, swap, roll back, resume
