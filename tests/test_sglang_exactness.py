@@ -97,6 +97,9 @@ class TestQwen2Arena(SglangExactness):
     family, swap_path = "qwen2", "arena"
 
 
+@pytest.mark.full_matrix(
+    "the tied embedding on the arena path: vLLM's TestQwen3TiedArena; SGLang's arena: TestLlamaArena; SGLang's tied model: TestQwen3TiedTensor"
+)
 class TestQwen3TiedArena(SglangExactness):
     family, swap_path = "qwen3", "arena"
 
