@@ -345,9 +345,10 @@ class VllmAdapter(EngineAdapter):
             assert self.arenas is not None
             self.arenas.live = staged
         else:
+            fail_after = _injected_failure()
             # tests inject failures into swaps, not into the swap back to the version served (a rollback)
-            rollback = update.version is not None and update.version == await self.weight_version()
-            fail_after = -1 if rollback else _injected_failure()
+            if fail_after >= 0 and update.version is not None and update.version == await self.weight_version():
+                fail_after = -1
             if staged.inplace:  # a worker that fails undoes its writes and answers the error
                 await self._apply(staged, {"op": "scatter", "fail_after": fail_after}, answered=True)
             elif staged.shadow:  # likewise, switching its modules back

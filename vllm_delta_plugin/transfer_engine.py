@@ -9,7 +9,7 @@
 * ``load`` with ``verify_path``: also finish the reload and read back, in the same call, what the
   reloaded modules now compute with against that file's tensors (:mod:`delta_swap.readback`; each
   tensor-parallel rank against its own shard of them, :mod:`.readback_shards`);
-* ``stage_inplace`` / ``stage_wait`` / ``scatter`` / ``drop_inplace``: the in-place path
+* ``stage_inplace`` / ``stage_wait`` / ``scatter`` / ``drop_staged``: the in-place path
   (``swap_path=inplace``, where every parameter is a plain tensor holding the checkpoint's values
   as the engine's loaders place them): ``stage_inplace`` starts working out each parameter's
   changed elements through the model's own loaders (:func:`delta_swap.inplace.element_changes`)
@@ -138,10 +138,9 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         self._layout: ArenaLayout | None = None
         self._arenas: dict[str, Arena] = {}
         #: The in-place and shadow paths: what is being staged (a thread of this worker works it
-        #: out while the engine generates), and the undo of the last scatter or switch.
+        #: out while the engine generates); it keeps the old values (modules) until it is dropped.
         self._staging: Future[InplaceStaged | ShadowBuild] | None = None
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="delta-swap-stage")
-        self._undo: UndoLog | ShadowBuild | None = None
 
     def init_transfer_engine(self, init_info: DeltaSwapInitInfo) -> None:
         pass
@@ -163,15 +162,13 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             self._load(update_info)
         elif update_info.op == "stage_inplace":
             self._stage_inplace(update_info)
-        elif update_info.op == "scatter":
-            self._scatter(update_info)
+        elif update_info.op in ("scatter", "switch"):
+            self._swap_staged(update_info)
         elif update_info.op == "stage_wait":
             self._stage_wait(update_info.output)
         elif update_info.op == "stage_shadow":
             self._stage_shadow(update_info)
-        elif update_info.op == "switch":
-            self._switch(update_info)
-        elif update_info.op in ("drop_staged", "drop_inplace"):
+        elif update_info.op == "drop_staged":
             self._drop_staged()
         else:
             raise ValueError(f"delta_swap: unknown operation {update_info.op!r}")
@@ -272,36 +269,6 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
 
         self._staging = self._stager.submit(work)
 
-    def _switch(self, update_info: DeltaSwapUpdateInfo) -> None:
-        """Point every changed module at its shadow (the old states kept), then read the changed
-        modules back if asked; any failure switches back and is answered in ``output``."""
-        started = time.perf_counter()
-
-        def fault(done: int) -> None:
-            if 0 <= update_info.fail_after <= done:
-                raise RuntimeError(f"delta_swap: injected failure after switching {done} modules")
-
-        try:
-            build = self._staging.result() if self._staging is not None else None
-            if not isinstance(build, ShadowBuild):
-                raise RuntimeError("delta_swap: switch before stage_shadow")
-            build.switch(fault if update_info.fail_after >= 0 else None)
-            self._undo = build
-        except Exception as exc:  # switched back
-            log.error("delta_swap: the shadow switch failed and was undone: %s", exc)
-            write_worker_result(
-                update_info.output, {"checks": 0, "seconds": 0.0, "error": f"{type(exc).__name__}: {exc}"}
-            )
-            return
-        switched = time.perf_counter() - started
-        log.info("delta_swap: switched %d modules to their shadows in %.1f ms", len(build.switches), 1000 * switched)
-        if not update_info.verify_path:
-            write_worker_result(update_info.output, {"checks": 0, "seconds": 0.0, "written_s": switched})
-            return
-        if not self._verify(update_info.verify_path, update_info.verify_names, update_info.output):
-            build.undo()
-            log.error("delta_swap: the read-back after the shadow switch failed: the old modules are back")
-
     def _stage_inplace(self, update_info: DeltaSwapUpdateInfo) -> None:
         """Start working out, through the model's own loaders, which elements of this rank's
         parameters the staged tensors change (positions and new values, kept next to the
@@ -342,8 +309,11 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
                 log.info("delta_swap: built %d shadow modules in %.3fs", len(staged.switches), staged.seconds)
             else:
                 elements = sum(c.positions.numel() for c in staged.changes)
-                answer = {"elements": elements, "bytes": sum(c.nbytes for c in staged.changes)}
-                answer["seconds"] = staged.seconds
+                answer = {
+                    "elements": elements,
+                    "bytes": sum(c.nbytes for c in staged.changes),
+                    "seconds": staged.seconds,
+                }
                 log.info(
                     "delta_swap: staged %d changed elements of %d parameters in %.3fs",
                     elements,
@@ -353,50 +323,60 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             write_worker_result(output, {"done": True, **answer})
 
     def _drop_staged(self) -> None:
-        """Forget what was staged and the undo of the last swap (waiting for a staging thread
-        still running): the swap is final, or was never made."""
-        staging, self._staging, self._undo = self._staging, None, None
+        """Forget what was staged, with the old values (modules) it kept (waiting for a staging
+        thread still running): the swap is final, or was never made."""
+        staging, self._staging = self._staging, None
         if staging is not None:
             staging.cancel()
             wait([staging])
 
-    def _scatter(self, update_info: DeltaSwapUpdateInfo) -> None:
-        """Write the staged changes into the live parameters (undo log kept), then read the
-        changed modules back if asked; any failure puts the old values back and is answered in
-        ``output`` (see :meth:`_verify` for why answered, not raised)."""
+    def _swap_staged(self, update_info: DeltaSwapUpdateInfo) -> None:
+        """In the pause: ``scatter`` the staged changes into the live parameters, or ``switch`` the
+        changed modules to their shadows, then read the changed modules back if asked; any failure
+        puts the old values (modules) back and is answered in ``output`` (see :meth:`_verify` for
+        why answered, not raised)."""
         started = time.perf_counter()
-        params = dict(self.model.named_parameters())
-        changes: list[ElementChanges] = []
+        inplace = update_info.op == "scatter"
+        unit = "parameters" if inplace else "modules"
 
         def fault(done: int) -> None:
             if 0 <= update_info.fail_after <= done:
-                raise RuntimeError(f"delta_swap: injected failure after writing {done} parameters")
+                verb = "writing" if inplace else "switching"
+                raise RuntimeError(f"delta_swap: injected failure after {verb} {done} {unit}")
 
+        after_each = fault if update_info.fail_after >= 0 else None
+        undo: UndoLog | ShadowBuild
         try:
             staged = self._staging.result() if self._staging is not None else None  # done: waited for before the pause
-            if not isinstance(staged, InplaceStaged):
-                raise RuntimeError("delta_swap: scatter before stage_inplace")
-            changes = staged.changes
             with torch.inference_mode():
-                undo = scatter(params, changes, fault if update_info.fail_after >= 0 else None, staged.saved)
-                self._undo = undo
+                if inplace and isinstance(staged, InplaceStaged):
+                    count = len(staged.changes)
+                    undo = scatter(dict(self.model.named_parameters()), staged.changes, after_each, staged.saved)
+                elif not inplace and isinstance(staged, ShadowBuild):
+                    count = len(staged.switches)
+                    staged.switch(after_each)
+                    undo = staged
+                else:
+                    raise RuntimeError(
+                        f"delta_swap: {update_info.op} before {'stage_inplace' if inplace else 'stage_shadow'}"
+                    )
                 if torch.accelerator.is_available():
                     torch.accelerator.synchronize()
-        except Exception as exc:  # scatter undid its writes
-            log.error("delta_swap: the in-place swap failed and was undone: %s", exc)
+        except Exception as exc:  # scatter and switch undo themselves
+            log.error("delta_swap: the %s failed and was undone: %s", update_info.op, exc)
             write_worker_result(
                 update_info.output, {"checks": 0, "seconds": 0.0, "error": f"{type(exc).__name__}: {exc}"}
             )
             return
         written = time.perf_counter() - started
-        log.info("delta_swap: wrote %d changed parameters in place in %.1f ms", len(changes), 1000 * written)
+        log.info("delta_swap: %s of %d %s in %.1f ms", update_info.op, count, unit, 1000 * written)
         if not update_info.verify_path:
             write_worker_result(update_info.output, {"checks": 0, "seconds": 0.0, "written_s": written})
             return
         if not self._verify(update_info.verify_path, update_info.verify_names, update_info.output):
             with torch.inference_mode():
                 undo.undo()
-            log.error("delta_swap: the read-back after the in-place swap failed: the old values are back")
+            log.error("delta_swap: the read-back after the %s failed: the old %s are back", update_info.op, unit)
 
     def _load(self, update_info: DeltaSwapUpdateInfo) -> None:
         started = time.perf_counter()
