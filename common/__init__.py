@@ -45,6 +45,8 @@ point here::
                                     an undo log (swap_path=inplace)
              shadow                 building changed modules processed before the pause and
                                     switching them in it (swap_path=shadow)
+             staged_swap            the engine process's half of both: stage on a thread while
+                                    the engine generates, apply in the pause, undo, drop
              readback               reading back what an engine computes with after a swap (torch)
              verify_budget          when to read a swap back (verify_swaps=auto: within 10% of windows)
              swap                   one update, all or nothing: stage, pause, swap, roll back, resume

@@ -8,7 +8,9 @@ snapshot of a store.
   server's app lives (:mod:`delta_swap.service`);
 * :mod:`.adapter` is the engine adapter: stage, drain, update, resume through the tokenizer manager;
 * :mod:`.engine_ops` is delta-swap's code in the scheduler process, where the parameters live: it
-  lays them out as weight arenas and commits reference swaps;
+  lays them out as weight arenas and commits reference swaps, and stages and scatters in-place
+  updates (:mod:`delta_swap.staged_swap`);
+* :mod:`.scheduler_channel` reaches each scheduler while SGLang generates (in-place staging);
 * :mod:`.staging` packs tensors into one shared-memory bucket for ``update_weights_from_tensor``;
 * :mod:`.versions` tags OpenAI responses with the weight versions that produced them.
 """

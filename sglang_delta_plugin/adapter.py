@@ -1,12 +1,17 @@
 """The SGLang engine adapter: swaps verified updates into a running SGLang through its tokenizer manager.
 
-Two paths, chosen once per server from what the scheduler reports when it starts
+Three paths, chosen once per server from what the scheduler reports when it starts
 (:mod:`.engine_ops`):
 
 * **arena** (one tensor-parallel rank whose parameters are plain host tensors, as on CPUs without
   AMX): updates are decoded straight into the spare one of two shared-memory weight arenas laid
   out like SGLang's parameters, and the swap has delta-swap's custom weight loader point every
   parameter at it: the pause does not grow with the model;
+* **inplace** (``swap_path=inplace``, where every parameter of every tensor-parallel rank is a
+  plain tensor holding the checkpoint's elements): the changed tensors are staged, and while the
+  engine generates each rank's scheduler works out which elements of its parameters change
+  (through the model's own loaders; asked through :mod:`.scheduler_channel`); the pause writes only
+  those with an undo log (delta-swap's custom weight loader, :mod:`delta_swap.inplace`);
 * **tensor** (everywhere else): the changed tensors are packed into one shared-memory bucket
   while SGLang keeps generating and loaded through ``load_weights`` (SGLang's Llama-style loader
   takes q/k/v and gate/up one by one, so only changed tensors are sent).
@@ -36,6 +41,7 @@ import logging
 import os
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +52,11 @@ from delta_swap.module_groups import tensors_of_modules
 from delta_swap.safetensors_io import write_safetensors
 from delta_swap.served_model import ServedModel
 from delta_swap.settings import DrainPolicy, Settings
+from delta_swap.staged_swap import FAIL_SCATTER_ENV, injected_failure
 from delta_swap.tensors import StateDict, TensorSpecs
 from delta_swap.verify_budget import VerifyBudget
 
+from . import scheduler_channel
 from .engine_ops import DEFAULT_PACKED, LAYOUT_FILE_ENV, LOADER
 from .staging import Bucket, pack
 
@@ -72,6 +80,19 @@ def merge_rank_outcomes(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
+@dataclass(frozen=True)
+class InplaceFile:
+    """An update staged for the in-place path: the changed tensors' file (each rank's scheduler
+    holds the changed elements it found in it) and the read-back's file, if due."""
+
+    path: str
+    check_path: str | None
+
+
+#: How often the HTTP server asks the schedulers whether they have staged an in-place update.
+STAGE_POLL_S = 0.01
+
+
 class SglangAdapter(EngineAdapter):
     """Drives SGLang's RL weight-update API in the HTTP server process."""
 
@@ -90,6 +111,10 @@ class SglangAdapter(EngineAdapter):
         self._keep_kv = False
         #: The two weight arenas, on the arena path (None: the tensor path, or not read yet).
         self.arenas: ArenaPair | None = None
+        #: Whether the schedulers write changed elements in place (the inplace path).
+        self.inplace = False
+        #: What the schedulers staged for the last in-place swap ({"elements", "bytes", "seconds"}).
+        self.last_staged: dict[str, Any] | None = None
         self._described = False
         #: Why this server swaps the way it does (shown in the status).
         self.path_reason: str | None = None
@@ -103,8 +128,15 @@ class SglangAdapter(EngineAdapter):
 
     async def describe(self) -> dict[str, Any]:
         return {
-            "swap_path": "arena" if self.arenas else ("tensor" if self._described else None),
+            "swap_path": "arena"
+            if self.arenas
+            else "inplace"
+            if self.inplace
+            else "tensor"
+            if self._described
+            else None,
             "swap_path_reason": self.path_reason,
+            "last_staged": self.last_staged,
             "last_verification": self.last_verification,
             "verification": self.verify_budget.describe(),
         }
@@ -119,7 +151,11 @@ class SglangAdapter(EngineAdapter):
                 doc = {"layout": None, "reason": "the scheduler wrote no layout"}
             self.path_reason = doc.get("reason") or ("parameters are plain host tensors" if doc["layout"] else None)
             self._packed = doc.get("packed")
-            if doc["layout"]:
+            if doc.get("inplace"):
+                self.inplace, self.path_reason = _every_rank_inplace(doc, layout_file or "", self.tp_size)
+            if self.inplace:
+                log.info("delta_swap: writing changed elements in place on each swap (%s)", self.path_reason)
+            elif doc["layout"]:
                 layout = ArenaLayout.from_json(doc["layout"])
                 try:
                     self.arenas = await asyncio.to_thread(ArenaPair, self.settings.staging_dir, layout)
@@ -133,7 +169,7 @@ class SglangAdapter(EngineAdapter):
             return None
         return await asyncio.to_thread(self.arenas.spare_tensors)
 
-    async def stage(self, update: WeightUpdate) -> Bucket | Arena | None:
+    async def stage(self, update: WeightUpdate) -> Bucket | Arena | InplaceFile | None:
         if self.arenas is not None:
             arena = self.arenas.holding(update.state)
             if arena is not None:
@@ -142,6 +178,8 @@ class SglangAdapter(EngineAdapter):
                 raise EngineError("sglang: an update outside the weight arenas after the engine moved into them")
         if not update.names:  # same bytes as now (e.g. a step that reverts): only the version moves
             return None
+        if self.inplace:
+            return await self._stage_inplace(update)
         bucket = await asyncio.to_thread(pack, update.state, sorted(update.names), update.checksums, self.tp_size)
         if self.verify_budget.due():  # every tensor-parallel rank reads back its shard of these
             bucket.check_path = await asyncio.to_thread(self._write_check_file, update)
@@ -158,9 +196,57 @@ class SglangAdapter(EngineAdapter):
             write_safetensors(fh, [(n, update.state[n]) for n in names])
         return path
 
+    async def _stage_inplace(self, update: WeightUpdate) -> InplaceFile:
+        """Write the changed tensors to a file and have every rank's scheduler work out, while
+        SGLang generates, which elements of its parameters they change; wait until all have."""
+        names = sorted(update.names)
+        path = os.path.join(
+            self.settings.staging_dir, f"delta-swap-{os.getpid()}-{update.version}-{uuid.uuid4().hex[:8]}.safetensors"
+        )
+
+        def write() -> None:
+            with open(path, "wb") as fh:
+                write_safetensors(fh, [(n, update.state[n]) for n in names])
+
+        await asyncio.to_thread(write)
+        staged = InplaceFile(path, None)
+        try:
+            if self.verify_budget.due():
+                staged = InplaceFile(path, await asyncio.to_thread(self._write_check_file, update))
+            await self._on_ranks({"op": "stage_inplace", "path": path, "names": names})
+            while True:
+                answers = await self._on_ranks({"op": "stage_wait"})
+                if all(a["done"] for a in answers):
+                    break
+                await asyncio.sleep(STAGE_POLL_S)
+        except BaseException:
+            await self.unstage(staged)
+            raise
+        self.last_staged = {
+            "elements": sum(a["elements"] for a in answers),
+            "bytes": max(a["bytes"] for a in answers),
+            "seconds": max(a["seconds"] for a in answers),
+        }
+        return staged
+
+    async def _on_ranks(self, request: dict[str, Any]) -> list[dict[str, Any]]:
+        """One request to every rank's scheduler (:mod:`.scheduler_channel`); raises the first error."""
+        answers = await asyncio.gather(
+            *(asyncio.to_thread(scheduler_channel.call, rank, request) for rank in range(self.tp_size))
+        )
+        failed = next((a for a in answers if a.get("error")), None)
+        if failed is not None:
+            raise EngineError(f"sglang: {request['op']} failed in the scheduler: {failed['error']}")
+        return list(answers)
+
     async def unstage(self, staged: Any) -> None:
         if isinstance(staged, Bucket) and staged.check_path:
             Path(staged.check_path).unlink(missing_ok=True)
+        if isinstance(staged, InplaceFile):
+            for file in (staged.path, staged.check_path):
+                if file:
+                    Path(file).unlink(missing_ok=True)
+            await self._on_ranks({"op": "drop_staged"})  # the old values it kept, too
 
     async def close(self) -> None:
         if self.arenas is not None:  # the scheduler keeps its mappings until it exits
@@ -261,12 +347,14 @@ class SglangAdapter(EngineAdapter):
 
     # ------------------------------------------------------------------ load
 
-    async def swap(self, update: WeightUpdate, staged: Bucket | Arena | None) -> None:
+    async def swap(self, update: WeightUpdate, staged: Bucket | Arena | InplaceFile | None) -> None:
         version = update.version or await self.weight_version() or "default"
         if staged is None:
             await self._set_version(version)
         elif isinstance(staged, Arena):
             await self._commit(staged, version)
+        elif isinstance(staged, InplaceFile):
+            await self._scatter(update, staged, version)
         else:
             started = time.perf_counter()
             await self._update(staged.payloads, "flattened_bucket", version)
@@ -286,6 +374,31 @@ class SglangAdapter(EngineAdapter):
             "workers": outcome.get("ranks", 1),
         }
         return float(outcome["seconds"])
+
+    async def _scatter(self, update: WeightUpdate, staged: InplaceFile, version: str) -> None:
+        """Have every rank write its staged changed elements (and read the changed modules back, if
+        due); a rank that fails undoes its writes and answers why."""
+        fail_after = injected_failure(FAIL_SCATTER_ENV)
+        # tests inject failures into swaps, not into the swap back to the version served (a rollback)
+        if fail_after >= 0 and update.version is not None and update.version == await self.weight_version():
+            fail_after = -1
+        op: dict[str, Any] = {"op": "scatter", "fail_after": fail_after}
+        if staged.check_path:
+            op["verify_path"] = staged.check_path
+        started = time.perf_counter()
+        outcome = await self._run_op(op, version)
+        if not outcome.get("ok"):
+            raise EngineError(f"sglang: the in-place swap failed and was undone: {outcome.get('error')}")
+        check_s = None
+        if staged.check_path:
+            self.last_verification = {
+                "checks": outcome["checks"],
+                "seconds": outcome["seconds"],
+                "workers": outcome.get("ranks", 1),
+            }
+            check_s = float(outcome["seconds"])
+        log.info("delta_swap: wrote the changed elements of %d tensors as %s", len(update.names), version)
+        self.verify_budget.record(time.perf_counter() - started - (check_s or 0.0), check_s)
 
     async def _commit(self, arena: Arena, version: str) -> None:
         """Have the scheduler point every parameter at ``arena`` (delta-swap's custom loader)."""
@@ -346,3 +459,16 @@ class SglangAdapter(EngineAdapter):
         from sglang.srt.managers.io_struct import UpdateWeightVersionReqInput
 
         await self.tm.update_weight_version(UpdateWeightVersionReqInput(new_version=version, abort_all_requests=False))
+
+
+def _every_rank_inplace(doc: dict[str, Any], layout_file: str, ranks: int) -> tuple[bool, str]:
+    """Whether every tensor-parallel rank's scheduler can write in place (rank 0 answered in
+    ``doc``, rank k in ``layout_file.k``), and why (or why not)."""
+    for rank in range(1, ranks):
+        try:
+            other = json.loads(Path(f"{layout_file}.{rank}").read_text())
+        except (OSError, ValueError):
+            return False, f"tensor-parallel rank {rank} described nothing"
+        if not other.get("inplace"):
+            return False, f"rank {rank}: {other.get('reason')}"
+    return True, str(doc.get("reason"))

@@ -9,7 +9,11 @@
   ``{"op": "verify", "path": SAFETENSORS, "result": FILE}`` reads back, after a load, what the
   modules those tensors load into now compute with (:mod:`delta_swap.readback`); at tensor
   parallel > 1 every rank checks its own shard, which :func:`local_shard` loads through the
-  module's own weight loader into a scratch copy of the rank's parameter.
+  module's own weight loader into a scratch copy of the rank's parameter;
+  ``{"op": "scatter", "fail_after": N, "verify_path": FILE?, "result": FILE}`` writes, in the
+  pause, the changed elements this rank staged (``swap_path=inplace``: :func:`_on_channel`
+  answers the HTTP server's staging requests through :mod:`.scheduler_channel` while SGLang
+  generates), then reads back if asked; any failure puts the old values back.
 
 Every tensor-parallel rank runs the operation; rank 0 writes ``FILE``, rank ``k`` ``FILE.k``
 (SGLang answers the HTTP server only after all ranks have returned).
@@ -36,7 +40,7 @@ LAYOUT_FILE_ENV = "DELTA_SWAP_LAYOUT_FILE"
 #: Llama-style fused parameters, for models that do not declare ``packed_modules_mapping``.
 DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
-_state: dict[str, Any] = {"layout": None, "arenas": {}}
+_state: dict[str, Any] = {"layout": None, "arenas": {}, "staged": None}
 
 
 def packed_modules(model: Any) -> dict[str, list[str]]:
@@ -50,18 +54,81 @@ def describe_after_init(result: Any, scheduler: Any, server_args: Any, *args: An
     output = os.environ.get(LAYOUT_FILE_ENV)
     if not output or LOADER not in (getattr(server_args, "custom_weight_loader", None) or []):
         return
-    packed = None
+    from delta_swap.settings import Settings, SwapPath
+
+    packed, layout, inplace = None, None, False
     try:
-        packed = packed_modules(scheduler.tp_worker.model_runner.model)
-        layout, reason = _describe(scheduler, server_args)
+        model = scheduler.tp_worker.model_runner.model
+        packed = packed_modules(model)
+        if Settings.load().swap_path is SwapPath.INPLACE:  # the HTTP server process exported it
+            inplace, reason = _inplace_possible(model, server_args, packed)
+        else:
+            layout, reason = _describe(scheduler, server_args)
     except Exception as exc:  # never break the scheduler's start
-        layout, reason = None, f"describing the parameters failed: {type(exc).__name__}: {exc}"
+        layout, inplace, reason = None, False, f"describing the parameters failed: {type(exc).__name__}: {exc}"
     _state["layout"] = layout
+    rank = _tp_rank()
+    if inplace:
+        inplace, reason = _open_channel(model, packed or {}, rank, reason)
     try:
-        doc = {"layout": layout and layout.to_json(), "reason": reason, "packed": packed}
-        Path(output).write_text(json.dumps(doc))
+        doc = {"layout": layout and layout.to_json(), "reason": reason, "packed": packed, "inplace": inplace}
+        Path(output if rank == 0 else f"{output}.{rank}").write_text(json.dumps(doc))
     except OSError:  # a full staging folder: the HTTP server then takes the tensor path
         log.exception("delta_swap: cannot write the parameter layout to %s", output)
+
+
+def _inplace_possible(model: Any, server_args: Any, packed: dict[str, list[str]]) -> tuple[bool, str]:
+    """Whether this rank's parameters hold the served checkpoint's elements where SGLang's own
+    loaders put them (else: why not)."""
+    import torch
+    from sglang.srt.model_loader.weight_utils import default_weight_loader
+
+    from delta_swap.inplace import inplace_possible
+    from delta_swap.served_model import ServedModel
+    from delta_swap.staged_swap import read_staged
+
+    served = ServedModel.from_checkpoint(server_args.model_path)
+    if served.checkpoint_dir is None:
+        return False, "the served checkpoint is not a local folder"
+    with torch.inference_mode():
+        return inplace_possible(model, read_staged(str(served.checkpoint_dir)), packed, default_weight_loader)
+
+
+def _open_channel(model: Any, packed: dict[str, list[str]], rank: int, reason: str) -> tuple[bool, str]:
+    """Keep a :class:`~delta_swap.staged_swap.StagedSwap` for ``model`` and answer the HTTP server's
+    staging requests on this rank's channel (in place: False and why, if it cannot)."""
+    from delta_swap.staged_swap import StagedSwap
+
+    from . import scheduler_channel
+
+    _state["staged"] = StagedSwap()
+    try:
+        scheduler_channel.serve(rank, lambda request: _on_channel(model, packed, request))
+    except (OSError, KeyError) as exc:
+        return False, f"no channel into the scheduler: {type(exc).__name__}: {exc}"
+    return True, reason
+
+
+def _on_channel(model: Any, packed: dict[str, list[str]], request: dict[str, Any]) -> dict[str, Any]:
+    """One staging request from the HTTP server (on the channel's thread, while SGLang generates):
+    ``stage_inplace`` starts working out which elements of this rank's parameters the tensors of
+    ``path`` change; ``stage_wait`` answers whether that is done; ``drop_staged`` forgets it."""
+    from sglang.srt.model_loader.weight_utils import default_weight_loader
+
+    from delta_swap.staged_swap import read_staged
+
+    staged = _state["staged"]
+    op = request.get("op")
+    if op == "stage_inplace":
+        weights = read_staged(str(request["path"]), set(request["names"]))
+        staged.stage_inplace(model, weights, packed, default_weight_loader)
+        return {"ok": True}
+    if op == "stage_wait":
+        return dict(staged.answer())
+    if op == "drop_staged":
+        staged.drop()
+        return {"ok": True}
+    return {"error": f"unknown operation {op!r}"}
 
 
 def _describe(scheduler: Any, server_args: Any) -> tuple[Any, str]:
@@ -103,6 +170,8 @@ def run(model: Any, named_tensors: list[tuple[str, Any]]) -> None:
             _commit(model, str(op["path"]))
         elif op.get("op") == "verify":
             outcome["checks"] = _verify(model, str(op["path"]))
+        elif op.get("op") == "scatter":
+            outcome.update(_scatter(model, op))
         else:
             raise ValueError(f"unknown operation {op.get('op')!r}")
         outcome["seconds"] = time.perf_counter() - started
@@ -128,6 +197,27 @@ def _commit(model: Any, path: str) -> None:
     if path not in arenas:
         arenas[path] = Arena(path, layout)
     point_parameters(dict(model.named_parameters()), arenas[path])
+
+
+def _scatter(model: Any, op: dict[str, Any]) -> dict[str, Any]:
+    """In the pause: write the staged changed elements into the live parameters, then read the
+    changed modules back against ``verify_path`` if given; any failure puts the old values back
+    before it is raised."""
+    import torch
+
+    staged = _state["staged"]
+    if staged is None:
+        raise ValueError("scatter without an in-place channel")
+    count, undo = staged.apply("scatter", model, int(op.get("fail_after", -1)))
+    outcome: dict[str, Any] = {"parameters": count}
+    if op.get("verify_path"):
+        try:
+            outcome["checks"] = _verify(model, str(op["verify_path"]))
+        except BaseException:
+            with torch.inference_mode():
+                undo.undo()
+            raise
+    return outcome
 
 
 def _tp_rank() -> int:

@@ -12,7 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from delta_swap.testing.engine_exactness import PARTIAL_DELTAS
+from delta_swap.staged_swap import FAIL_SCATTER_ENV
+from delta_swap.testing.engine_exactness import PARTIAL_DELTAS, Chain, InjectedFailureTests
 from examples.servers import sglang as sglang_server
 from examples.servers.process import Server
 from examples.tiny_model import make_tiny_model, perturb_weights
@@ -45,6 +46,9 @@ class SglangExactness(TinyModelExactness):
             f"SGLang CPU cannot run {self.family} here: {model[-1] if model else 'the model'} calls a Triton kernel "
             f"({kernel[-1] if kernel else '?'}) and Triton has no CPU driver ({driver.group(0).strip()})"
         )
+
+    #: Without a store SGLang's plugin does nothing, so every path's reference is the same server.
+    reference_swap_path = {"arena": "reload", "inplace": "reload"}
 
     def start_server(self, model: Path, workdir: Path, settings: Mapping[str, object], log_name: str) -> Server:
         env = {**EXIT_AT_ONCE, **self.env}
@@ -121,6 +125,34 @@ class TestQwen3TiedTensorTP2(SglangExactness):
     family, swap_path = "qwen3", "reload"
     extra = ("--tp-size", "2")
     env = {"SGLANG_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+class TestQwen2Inplace(InjectedFailureTests, SglangExactness):
+    """Changed elements written into the live parameters by the scheduler (biases alone, one
+    constituent of a fused module); then a failure injected after the first of several parameters
+    is written."""
+
+    family, swap_path = "qwen2", "inplace"
+
+    def start_server(self, model: Path, workdir: Path, settings: Mapping[str, object], log_name: str) -> Server:
+        self.env = self.failure_env(workdir, log_name)
+        return super().start_server(model, workdir, settings, log_name)
+
+    def test_a_failure_mid_scatter_keeps_the_previous_weights_served_exactly(self, chain: Chain) -> None:
+        self.check_a_failed_swap(chain, FAIL_SCATTER_ENV, "injected failure after writing 1 parameters")
+
+
+class TestQwen3MoeInplace(SglangExactness):
+    """Each changed expert element written into the fused expert parameters in place."""
+
+    family, swap_path = "qwen3_moe", "inplace"
+
+
+class TestQwen3TiedInplaceTP2(TestQwen3TiedTensorTP2):
+    """Each rank finds and writes the changed elements of its own shard (the tied embedding's
+    vocabulary half, column and row shards)."""
+
+    swap_path = "inplace"
 
 
 REVERT_FIXES = Path(__file__).parent / "support" / "revert_fixes"

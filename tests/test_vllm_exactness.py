@@ -14,12 +14,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from delta_swap.testing.engine_exactness import PROMPTS, Chain, _cannot_take, status, wait_for
+from delta_swap.staged_swap import FAIL_BUILD_ENV, FAIL_SCATTER_ENV
+from delta_swap.testing.engine_exactness import Chain, InjectedFailureTests, status
 from examples.servers import vllm as vllm_server
 from examples.servers.process import Server
-from examples.tiny_model import perturb_weights
 from tests.support.exactness import TinyModelExactness
-from vllm_delta_plugin.adapter import FAIL_BUILD_ENV, FAIL_SCATTER_ENV
 
 pytestmark = pytest.mark.engine
 
@@ -168,45 +167,10 @@ class TestQwen2MoeArena(VllmExactness):
     family, swap_path = "qwen2_moe", "arena"
 
 
-def failure_marker(workdir: Path, env: str, log_name: str) -> Path:
-    """The marker file (made by a test) that injects ``env``'s failure into the server logging to ``log_name``."""
-    return workdir / f"{env.lower()}-{log_name}"
-
-
-class InjectedFailures(VllmExactness):
-    """A failure injected into a swap (a marker file the test makes, read by the API server) leaves
-    the previous weights served exactly; the retry then swaps the step in."""
-
+class InjectedFailures(InjectedFailureTests, VllmExactness):
     def start_server(self, model: Path, workdir: Path, settings: Mapping[str, object], log_name: str) -> Server:
-        self.env = {env: str(failure_marker(workdir, env, log_name)) for env in (FAIL_SCATTER_ENV, FAIL_BUILD_ENV)}
+        self.env = self.failure_env(workdir, log_name)
         return super().start_server(model, workdir, settings, log_name)
-
-    def check_a_failed_swap(self, chain: Chain, env: str, message: str) -> None:
-        """Make ``env``'s marker (fail after the first parameter or module), publish a step that
-        changes every layer-0 module, and check the failure, the served weights and the retry."""
-        st = status(chain.server.url)
-        if st["swap_path"] != self.swap_path:
-            pytest.skip(_cannot_take(st, self.family, self.swap_path))
-        marker = failure_marker(chain.workdir, env, "plugin.log")
-        step, failures = len(chain.checkpoints), st["failures"]
-        before = [completion_logprobs(chain.server.url, p) for p in PROMPTS]
-        marker.write_text("1")
-        try:
-            checkpoint = perturb_weights(
-                chain.checkpoints[-1], chain.workdir / f"step-{step}", only=r"layers\.0\.", seed=step
-            )
-            self.publish(chain.store, step, checkpoint)
-            st = wait_for(chain.server.url, lambda s: s["failures"] > failures or s["current_step"] == step, 300)
-            assert st["current_step"] == step - 1 and message in (st["last_error"] or ""), st
-            served = [completion_logprobs(chain.server.url, p) for p in PROMPTS]
-            assert served == before, "the undone swap left other weights served"
-        finally:
-            marker.unlink(missing_ok=True)
-        chain.checkpoints.append(checkpoint)
-        st = wait_for(chain.server.url, lambda s: s["current_step"] == step, 300)  # the retry swaps it in
-        reference = self._reference(checkpoint, chain.workdir, f"ref-{step}.log")
-        assert [completion_logprobs(chain.server.url, p) for p in PROMPTS] == reference
-        assert reference != before
 
 
 class TestQwen2Inplace(InjectedFailures):

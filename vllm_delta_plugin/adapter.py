@@ -51,6 +51,7 @@ from delta_swap.module_groups import complete_modules, module_groups, tensors_of
 from delta_swap.safetensors_io import write_safetensors
 from delta_swap.served_model import ServedModel
 from delta_swap.settings import DrainPolicy, Settings, SwapPath
+from delta_swap.staged_swap import FAIL_BUILD_ENV, FAIL_SCATTER_ENV, injected_failure
 from delta_swap.tensors import StateDict, TensorSpecs
 from delta_swap.verify_budget import VerifyBudget
 
@@ -284,7 +285,7 @@ class VllmAdapter(EngineAdapter):
         """Have every worker stage the update its way (``op``: work out the changed elements of its
         parameters, or build shadow modules; on a thread of its own, so the engine generates
         meanwhile), and wait until all have; returns why a worker cannot (None: all did)."""
-        fail_after = _injected_failure(FAIL_BUILD_ENV) if op == "stage_shadow" else -1
+        fail_after = injected_failure(FAIL_BUILD_ENV) if op == "stage_shadow" else -1
         await self._call({"op": op, "path": path, "names": names, "fail_after": fail_after})
         output = path + ".staged.json"
         while True:
@@ -345,7 +346,7 @@ class VllmAdapter(EngineAdapter):
             assert self.arenas is not None
             self.arenas.live = staged
         else:
-            fail_after = _injected_failure()
+            fail_after = injected_failure(FAIL_SCATTER_ENV)
             # tests inject failures into swaps, not into the swap back to the version served (a rollback)
             if fail_after >= 0 and update.version is not None and update.version == await self.weight_version():
                 fail_after = -1
@@ -405,18 +406,3 @@ class VllmAdapter(EngineAdapter):
 
 #: How often the API server asks the workers whether they have staged an in-place update.
 STAGE_POLL_S = 0.01
-
-#: Tests only: while this file exists and holds N, every in-place (shadow) swap fails after writing N
-#: parameters (switching N modules).
-FAIL_SCATTER_ENV = "DELTA_SWAP_TEST_FAIL_SCATTER"
-#: Tests only: while this file exists and holds N, every shadow build fails after building N modules.
-FAIL_BUILD_ENV = "DELTA_SWAP_TEST_FAIL_BUILD"
-
-
-def _injected_failure(env: str = FAIL_SCATTER_ENV) -> int:
-    """The number of parameters (modules) after which the next scatter or switch (shadow build)
-    fails, from the marker file ``env`` names (-1: it does not)."""
-    marker = os.environ.get(env)
-    if not marker or not os.path.exists(marker):
-        return -1
-    return int(Path(marker).read_text().strip() or 0)

@@ -38,11 +38,8 @@ it on every error path: a failed update leaves the previous weights in place.
 from __future__ import annotations
 
 import logging
-import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -59,13 +56,13 @@ from delta_swap.arena import Arena, ArenaLayout
 from delta_swap.checkpoint_dir import read_checkpoint_dir
 from delta_swap.dtypes import from_torch_dtype
 from delta_swap.errors import ChecksumMismatchError, IncompatibleSnapshotError
-from delta_swap.inplace import ElementChanges, UndoLog, element_changes, save_old_values, scatter
+from delta_swap.inplace import inplace_possible
 from delta_swap.module_groups import complete_modules, module_groups, module_of
 from delta_swap.readback import modules_sharing_parameters_with as _modules_sharing_parameters_with
 from delta_swap.readback import verify_modules
 from delta_swap.served_model import ServedModel
 from delta_swap.settings import Settings, SwapPath
-from delta_swap.shadow import ShadowBuild, ShadowUnsupported, build_shadows
+from delta_swap.staged_swap import StagedSwap, read_staged
 from delta_swap.torch_params import check_matches, plan_layout, point_parameters
 
 from .readback_shards import local_shards
@@ -99,27 +96,6 @@ class DeltaSwapUpdateInfo(WeightTransferUpdateInfo):
     fail_after: int = -1
 
 
-def _read_tensors(path: str, wanted: set[str]) -> list[tuple[str, torch.Tensor]]:
-    """Tensors of one safetensors file or of every one in a folder (memory-mapped reads)."""
-    from safetensors import safe_open
-
-    files = sorted(Path(path).glob("*.safetensors")) if os.path.isdir(path) else [Path(path)]
-    out: list[tuple[str, torch.Tensor]] = []
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            out.extend((name, f.get_tensor(name)) for name in f.keys() if not wanted or name in wanted)
-    return out
-
-
-@dataclass(frozen=True)
-class InplaceStaged:
-    """What a worker staged for an in-place swap: the changed elements and the old values there."""
-
-    changes: list[ElementChanges]
-    saved: UndoLog
-    seconds: float
-
-
 class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapUpdateInfo]):
     init_info_cls = DeltaSwapInitInfo
     update_info_cls = DeltaSwapUpdateInfo
@@ -137,10 +113,9 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         self._active = False
         self._layout: ArenaLayout | None = None
         self._arenas: dict[str, Arena] = {}
-        #: The in-place and shadow paths: what is being staged (a thread of this worker works it
-        #: out while the engine generates); it keeps the old values (modules) until it is dropped.
-        self._staging: Future[InplaceStaged | ShadowBuild] | None = None
-        self._stager = ThreadPoolExecutor(1, thread_name_prefix="delta-swap-stage")
+        #: The in-place and shadow paths: what a thread of this worker stages while the engine
+        #: generates, and the undo, kept until the swap is final.
+        self._staged = StagedSwap()
 
     def init_transfer_engine(self, init_info: DeltaSwapInitInfo) -> None:
         pass
@@ -164,12 +139,12 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             self._stage_inplace(update_info)
         elif update_info.op in ("scatter", "switch"):
             self._swap_staged(update_info)
-        elif update_info.op == "stage_wait":
-            self._stage_wait(update_info.output)
+        elif update_info.op == "stage_wait":  # answers whether staging is done, never waits
+            write_worker_result(update_info.output, self._staged.answer())
         elif update_info.op == "stage_shadow":
             self._stage_shadow(update_info)
         elif update_info.op == "drop_staged":
-            self._drop_staged()
+            self._staged.drop()
         else:
             raise ValueError(f"delta_swap: unknown operation {update_info.op!r}")
 
@@ -229,106 +204,46 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
 
     def _inplace_possible(self) -> tuple[bool, str]:
         """Whether every parameter holds the served checkpoint's values as plain elements where
-        the model's own loaders put them (else: why not), checked by loading the served checkpoint
-        into scratch copies: no element may differ."""
+        the model's own loaders put them (else: why not)."""
         if self._served.checkpoint_dir is None:
             return False, "the served checkpoint is not a local folder"
         started = time.perf_counter()
-        weights = _read_tensors(self._served.checkpoint_dir, set())
-        try:
-            with set_current_vllm_config(self.vllm_config), torch.inference_mode():
-                changes, _ignored = element_changes(self.model, weights, self._packed, default_weight_loader)
-        except Exception as exc:
-            return False, f"cannot map the checkpoint onto the parameters: {type(exc).__name__}: {exc}"
-        if changes:
-            return (
-                False,
-                f"the engine holds {changes[0].param} in another form than the checkpoint (packed for a kernel?)",
-            )
-        log.info("delta_swap: parameters are plain; in-place swaps (checked in %.2fs)", time.perf_counter() - started)
-        return True, "parameters are plain tensors holding the checkpoint's elements"
+        weights = read_staged(self._served.checkpoint_dir, set())
+        with set_current_vllm_config(self.vllm_config), torch.inference_mode():
+            possible, reason = inplace_possible(self.model, weights, self._packed, default_weight_loader)
+        log.info("delta_swap: in place: %s (checked in %.2fs)", reason, time.perf_counter() - started)
+        return possible, reason
+
+    def _load_context(self) -> Any:
+        return set_current_vllm_config(self.vllm_config)
 
     def _stage_shadow(self, update_info: DeltaSwapUpdateInfo) -> None:
         """Start building the shadows of the modules the staged tensors load into (new weights,
         processed as vLLM processes them) on this worker's staging thread: the engine goes on
         generating meanwhile."""
-        self._drop_staged()
-        weights = _read_tensors(update_info.path, set(update_info.names))
+        self._staged.drop()
+        weights = read_staged(update_info.path, set(update_info.names))
         self._validate(weights)
-
-        def fault(done: int) -> None:
-            if 0 <= update_info.fail_after <= done:
-                raise RuntimeError(f"delta_swap: injected failure mid-build after {done} shadow modules")
-
-        def work() -> ShadowBuild:
-            with set_current_vllm_config(self.vllm_config), torch.inference_mode():
-                build, _ignored = build_shadows(
-                    self.model, weights, self._packed, VllmShadowEngine(), default_weight_loader, fault
-                )
-            return build
-
-        self._staging = self._stager.submit(work)
+        self._staged.stage_shadow(
+            self.model,
+            weights,
+            self._packed,
+            VllmShadowEngine(),
+            default_weight_loader,
+            self._load_context,
+            update_info.fail_after,
+        )
 
     def _stage_inplace(self, update_info: DeltaSwapUpdateInfo) -> None:
         """Start working out, through the model's own loaders, which elements of this rank's
         parameters the staged tensors change (positions and new values, kept next to the
         parameters), on this worker's staging thread: the engine goes on generating meanwhile."""
-        self._drop_staged()
-        weights = _read_tensors(update_info.path, set(update_info.names))
+        self._staged.drop()
+        weights = read_staged(update_info.path, set(update_info.names))
         self._served.check_fits(
             {name: (from_torch_dtype(t.dtype), tuple(t.shape)) for name, t in weights}, complete=False
         )
-
-        def work() -> InplaceStaged:
-            started = time.perf_counter()
-            with set_current_vllm_config(self.vllm_config), torch.inference_mode():
-                changes, _ignored = element_changes(self.model, weights, self._packed, default_weight_loader)
-                saved = save_old_values(dict(self.model.named_parameters()), changes)
-            return InplaceStaged(changes, saved, time.perf_counter() - started)
-
-        self._staging = self._stager.submit(work)
-
-    def _stage_wait(self, output: str) -> None:
-        """Answer whether the staging thread is done (never waits for it), with what it found; a
-        shadow build that met a module it cannot make answers ``fallback`` (reload this update)."""
-        staging = self._staging
-        if staging is None:
-            write_worker_result(output, {"done": True, "error": "delta_swap: nothing is being staged"})
-        elif not staging.done():
-            write_worker_result(output, {"done": False})
-        elif isinstance(staging.exception(), ShadowUnsupported):
-            write_worker_result(output, {"done": True, "fallback": str(staging.exception())})
-        elif staging.exception() is not None:
-            exc = staging.exception()
-            log.error("delta_swap: staging failed", exc_info=exc)
-            write_worker_result(output, {"done": True, "error": f"{type(exc).__name__}: {exc}"})
-        else:
-            staged = staging.result()
-            if isinstance(staged, ShadowBuild):
-                answer = {"modules": len(staged.switches), "bytes": staged.nbytes, "seconds": staged.seconds}
-                log.info("delta_swap: built %d shadow modules in %.3fs", len(staged.switches), staged.seconds)
-            else:
-                elements = sum(c.positions.numel() for c in staged.changes)
-                answer = {
-                    "elements": elements,
-                    "bytes": sum(c.nbytes for c in staged.changes),
-                    "seconds": staged.seconds,
-                }
-                log.info(
-                    "delta_swap: staged %d changed elements of %d parameters in %.3fs",
-                    elements,
-                    len(staged.changes),
-                    staged.seconds,
-                )
-            write_worker_result(output, {"done": True, **answer})
-
-    def _drop_staged(self) -> None:
-        """Forget what was staged, with the old values (modules) it kept (waiting for a staging
-        thread still running): the swap is final, or was never made."""
-        staging, self._staging = self._staging, None
-        if staging is not None:
-            staging.cancel()
-            wait([staging])
+        self._staged.stage_inplace(self.model, weights, self._packed, default_weight_loader, self._load_context)
 
     def _swap_staged(self, update_info: DeltaSwapUpdateInfo) -> None:
         """In the pause: ``scatter`` the staged changes into the live parameters, or ``switch`` the
@@ -336,32 +251,9 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         puts the old values (modules) back and is answered in ``output`` (see :meth:`_verify` for
         why answered, not raised)."""
         started = time.perf_counter()
-        inplace = update_info.op == "scatter"
-        unit = "parameters" if inplace else "modules"
-
-        def fault(done: int) -> None:
-            if 0 <= update_info.fail_after <= done:
-                verb = "writing" if inplace else "switching"
-                raise RuntimeError(f"delta_swap: injected failure after {verb} {done} {unit}")
-
-        after_each = fault if update_info.fail_after >= 0 else None
-        undo: UndoLog | ShadowBuild
+        unit = "parameters" if update_info.op == "scatter" else "modules"
         try:
-            staged = self._staging.result() if self._staging is not None else None  # done: waited for before the pause
-            with torch.inference_mode():
-                if inplace and isinstance(staged, InplaceStaged):
-                    count = len(staged.changes)
-                    undo = scatter(dict(self.model.named_parameters()), staged.changes, after_each, staged.saved)
-                elif not inplace and isinstance(staged, ShadowBuild):
-                    count = len(staged.switches)
-                    staged.switch(after_each)
-                    undo = staged
-                else:
-                    raise RuntimeError(
-                        f"delta_swap: {update_info.op} before {'stage_inplace' if inplace else 'stage_shadow'}"
-                    )
-                if torch.accelerator.is_available():
-                    torch.accelerator.synchronize()
+            count, undo = self._staged.apply(update_info.op, self.model, update_info.fail_after)
         except Exception as exc:  # scatter and switch undo themselves
             log.error("delta_swap: the %s failed and was undone: %s", update_info.op, exc)
             write_worker_result(
@@ -380,7 +272,7 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
 
     def _load(self, update_info: DeltaSwapUpdateInfo) -> None:
         started = time.perf_counter()
-        weights = _read_tensors(update_info.path, set(update_info.names))
+        weights = read_staged(update_info.path, set(update_info.names))
         self._validate(weights)
         self._touched.update(module_of(name, self._packed) for name, _ in weights)
         with set_current_vllm_config(self.vllm_config), torch.inference_mode():
@@ -413,7 +305,7 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             return True
         # each tensor-parallel rank checks its own shard, loaded through the modules' own loaders
         shard = local_shards(self._packed) if parallel.tensor_parallel_size > 1 else None
-        published = dict(_read_tensors(path, set(names)))
+        published = dict(read_staged(path, set(names)))
         try:
             with set_current_vllm_config(self.vllm_config), torch.inference_mode():
                 checks = verify_modules(self.model, published, self._packed, shard)
@@ -464,7 +356,7 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         self._touched = set()
 
     def shutdown(self) -> None:
-        self._stager.shutdown(wait=False, cancel_futures=True)
+        self._staged.shutdown()
 
 
 def _reloaded_cpu_experts(model: torch.nn.Module, touched: set[str]) -> list[tuple[str, Any]]:

@@ -98,6 +98,12 @@ class Chain:
     checkpoints: list[Path] = field(default_factory=list)
 
 
+#: A server without a store reads ``swap_path`` only to choose how it keeps its weights; arena and
+#: in-place swaps both ask for the checkpoint's plain layout, and shadow and reload servers both keep
+#: the engine's own (repacked) one, so each pair's references are one server.
+REFERENCE_SWAP_PATH = {"inplace": "arena", "shadow": "reload"}
+
+
 class EngineExactnessTests:
     """Served prompt logprobs after every swap equal a fresh server's on the same checkpoint."""
 
@@ -116,6 +122,9 @@ class EngineExactnessTests:
     #: On the shadow path, the partial deltas (by what moves) that load into a module the engine
     #: cannot build as a shadow, so that the update is reloaded instead (the status says why).
     reloaded: ClassVar[frozenset[str]] = frozenset()
+    #: The swap path a reference server (no store) is started with, by the path under test: paths
+    #: that hold the weights the same way share their references.
+    reference_swap_path: ClassVar[Mapping[str, str]] = REFERENCE_SWAP_PATH
 
     # ------------------------------------------------------------------ engine hooks
 
@@ -259,7 +268,7 @@ class EngineExactnessTests:
     def _reference(self, checkpoint: Path, workdir: Path, log_name: str) -> list[list[Any]]:
         """A fresh server's logprobs on ``checkpoint``: started once per checkpoint content, engine
         and flags in a test session (classes of one family share their references)."""
-        swap_path = _REFERENCE_SWAP_PATH.get(self.swap_path, self.swap_path)
+        swap_path = self.reference_swap_path.get(self.swap_path, self.swap_path)
         settings = {"swap_path": swap_path, **{k: v for k, v in self.settings.items() if k != "store"}}
         engine, flags = type(self).engine or type(self).__module__, json.dumps(settings, sort_keys=True, default=str)
         key = (engine, flags, self.extra, _digest(checkpoint))
@@ -270,6 +279,47 @@ class EngineExactnessTests:
             finally:
                 server.stop()
         return _REFERENCES[key]
+
+
+class InjectedFailureTests(EngineExactnessTests):
+    """A failure injected into a swap (a marker file the test makes, read by the server: see
+    :data:`delta_swap.staged_swap.FAIL_SCATTER_ENV`) leaves the previous weights served exactly; the
+    retry then swaps the step in. An engine's :meth:`start_server` passes :meth:`failure_env` on."""
+
+    @staticmethod
+    def failure_marker(workdir: Path, env: str, log_name: str) -> Path:
+        """The marker file that injects ``env``'s failure into the server logging to ``log_name``."""
+        return workdir / f"{env.lower()}-{log_name}"
+
+    def failure_env(self, workdir: Path, log_name: str) -> dict[str, str]:
+        """The environment that points the server at its marker files."""
+        from ..staged_swap import FAIL_BUILD_ENV, FAIL_SCATTER_ENV
+
+        return {env: str(self.failure_marker(workdir, env, log_name)) for env in (FAIL_SCATTER_ENV, FAIL_BUILD_ENV)}
+
+    def check_a_failed_swap(self, chain: Chain, env: str, message: str) -> None:
+        """Make ``env``'s marker (fail after the first parameter or module), publish a step that
+        changes every layer-0 module, and check the failure, the served weights and the retry."""
+        st = status(chain.server.url)
+        if st["swap_path"] != self.swap_path:
+            pytest.skip(_cannot_take(st, self.family, self.swap_path))
+        marker = self.failure_marker(chain.workdir, env, "plugin.log")
+        step, failures = len(chain.checkpoints), st["failures"]
+        before = self._served(chain.server.url)
+        marker.write_text("1")
+        try:
+            checkpoint = self.perturb(chain.checkpoints[-1], chain.workdir / f"step-{step}", r"layers\.0\.", step)
+            self.publish(chain.store, step, checkpoint)
+            st = wait_for(chain.server.url, lambda s: s["failures"] > failures or s["current_step"] == step, 300)
+            assert st["current_step"] == step - 1 and message in (st["last_error"] or ""), st
+            assert self._served(chain.server.url) == before, "the undone swap left other weights served"
+        finally:
+            marker.unlink(missing_ok=True)
+        chain.checkpoints.append(checkpoint)
+        wait_for(chain.server.url, lambda s: s["current_step"] == step, 300)  # the retry swaps it in
+        reference = self._reference(checkpoint, chain.workdir, f"ref-{step}.log")
+        assert self._served(chain.server.url) == reference
+        assert reference != before
 
 
 def status(url: str) -> dict[str, Any]:
@@ -290,11 +340,6 @@ def wait_for(url: str, pred: Callable[[dict[str, Any]], bool], timeout: float = 
         time.sleep(0.2)
     raise AssertionError(f"timed out; status: {json.dumps(st, indent=1)}")
 
-
-#: A server without a store reads ``swap_path`` only to choose how it keeps its weights; arena and
-#: in-place swaps both ask for the checkpoint's plain layout, and shadow and reload servers both keep
-#: the engine's own (repacked) one, so each pair's references are one server.
-_REFERENCE_SWAP_PATH = {"inplace": "arena", "shadow": "reload"}
 
 #: Reference logprobs of this test session, by (engine, settings, extra arguments, checkpoint digest).
 _REFERENCES: dict[tuple[Any, ...], list[list[Any]]] = {}

@@ -1,0 +1,208 @@
+"""The engine-process half of the in-place and shadow swap strategies, for any engine.
+
+Each process that holds the model (a vLLM worker, an SGLang scheduler: every tensor-parallel rank)
+keeps one :class:`StagedSwap`. Before the pause it stages an update on a thread of its own while
+the engine generates (:meth:`StagedSwap.stage_inplace`: the changed elements of its parameters,
+:mod:`.inplace`; :meth:`StagedSwap.stage_shadow`: shadow modules, :mod:`.shadow`) and answers
+whether that is done without waiting (:meth:`StagedSwap.answer`). In the pause
+:meth:`StagedSwap.apply` scatters the changes or switches the modules, and undoes itself on any
+failure; the undo stays available until the swap is final and :meth:`StagedSwap.drop` forgets it.
+
+The engine adapter's side says how its engine reaches these calls (vLLM: its weight-transfer
+backend; SGLang: a channel into the scheduler and its custom weight loader).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .inplace import ElementChanges, UndoLog, element_changes, save_old_values, scatter
+from .shadow import ShadowBuild, ShadowEngine, ShadowUnsupported, build_shadows
+
+log = logging.getLogger("delta_swap")
+
+#: What a model's loaders run under (vLLM: its current config), entered on the staging thread.
+LoadContext = Callable[[], AbstractContextManager[Any]]
+
+
+@dataclass(frozen=True)
+class InplaceStaged:
+    """What a process staged for an in-place swap: the changed elements and the old values there."""
+
+    changes: list[ElementChanges]
+    saved: UndoLog
+    seconds: float
+
+
+def read_staged(path: str, wanted: set[str] | None = None) -> list[tuple[str, torch.Tensor]]:
+    """The tensors (those named in ``wanted``, if given) of one safetensors file or of every one
+    in a folder, memory-mapped, as the engine's process reads what the adapter staged."""
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors")) if os.path.isdir(path) else [Path(path)]
+    out: list[tuple[str, torch.Tensor]] = []
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            out.extend((name, f.get_tensor(name)) for name in f.keys() if not wanted or name in wanted)
+    return out
+
+
+class StagedSwap:
+    """One process's staged update (at most one at a time) and its undo."""
+
+    def __init__(self) -> None:
+        #: What is being staged; it keeps the old values (modules) until it is dropped.
+        self._staging: Future[InplaceStaged | ShadowBuild] | None = None
+        self._stager = ThreadPoolExecutor(1, thread_name_prefix="delta-swap-stage")
+        self._answered = False
+
+    def stage_inplace(
+        self,
+        model: torch.nn.Module,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        packed: Mapping[str, Sequence[str]],
+        default_loader: Callable[..., Any],
+        context: LoadContext = nullcontext,
+    ) -> None:
+        """Start working out, through the model's own loaders, which elements of this process's
+        parameters ``weights`` change (kept next to the parameters, with the old values there)."""
+        weights = list(weights)
+
+        def work() -> InplaceStaged:
+            started = time.perf_counter()
+            with context(), torch.inference_mode():
+                changes, _ignored = element_changes(model, weights, packed, default_loader)
+                saved = save_old_values(dict(model.named_parameters()), changes)
+            return InplaceStaged(changes, saved, time.perf_counter() - started)
+
+        self._start(work)
+
+    def stage_shadow(
+        self,
+        model: torch.nn.Module,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        packed: Mapping[str, Sequence[str]],
+        engine: ShadowEngine,
+        default_loader: Callable[..., Any],
+        context: LoadContext = nullcontext,
+        fail_after: int = -1,
+    ) -> None:
+        """Start building the shadows of the modules ``weights`` (whole modules) load into;
+        ``fail_after`` >= 0 makes the build fail after that many modules (tests)."""
+        weights = list(weights)
+
+        def fault(done: int) -> None:
+            if 0 <= fail_after <= done:
+                raise RuntimeError(f"delta_swap: injected failure mid-build after {done} shadow modules")
+
+        def work() -> ShadowBuild:
+            with context(), torch.inference_mode():
+                build, _ignored = build_shadows(model, weights, packed, engine, default_loader, fault)
+            return build
+
+        self._start(work)
+
+    def _start(self, work: Callable[[], InplaceStaged | ShadowBuild]) -> None:
+        self.drop()
+        self._answered = False
+        self._staging = self._stager.submit(work)
+
+    def answer(self) -> dict[str, Any]:
+        """Whether staging is done (never waits for it), with what it found: ``{"done": False}``,
+        or ``done`` with ``elements`` (in place) or ``modules`` (shadow), ``bytes`` and
+        ``seconds``; ``fallback`` where a shadow build met a module it cannot make (the update
+        must be reloaded); ``error`` where staging failed."""
+        staging = self._staging
+        if staging is None:
+            return {"done": True, "error": "delta_swap: nothing is being staged"}
+        if not staging.done():
+            return {"done": False}
+        first, self._answered = not self._answered, True  # logged once, not at every poll
+        exc = staging.exception()
+        if isinstance(exc, ShadowUnsupported):
+            return {"done": True, "fallback": str(exc)}
+        if exc is not None:
+            if first:
+                log.error("delta_swap: staging failed", exc_info=exc)
+            return {"done": True, "error": f"{type(exc).__name__}: {exc}"}
+        staged = staging.result()
+        if isinstance(staged, ShadowBuild):
+            if first:
+                log.info("delta_swap: built %d shadow modules in %.3fs", len(staged.switches), staged.seconds)
+            return {"done": True, "modules": len(staged.switches), "bytes": staged.nbytes, "seconds": staged.seconds}
+        elements = sum(c.positions.numel() for c in staged.changes)
+        if first:
+            log.info(
+                "delta_swap: staged %d changed elements of %d parameters in %.3fs",
+                elements,
+                len(staged.changes),
+                staged.seconds,
+            )
+        nbytes = sum(c.nbytes for c in staged.changes)
+        return {"done": True, "elements": elements, "bytes": nbytes, "seconds": staged.seconds}
+
+    def apply(self, op: str, model: torch.nn.Module, fail_after: int = -1) -> tuple[int, UndoLog | ShadowBuild]:
+        """In the pause: ``scatter`` the staged changes into ``model``'s live parameters, or
+        ``switch`` the changed modules to their shadows; (how many parameters or modules, the
+        undo). A failure (or, with ``fail_after`` >= 0, one injected after that many) puts the
+        old values (modules) back before it is raised."""
+        inplace = op == "scatter"
+
+        def fault(done: int) -> None:
+            if 0 <= fail_after <= done:
+                verb, unit = ("writing", "parameters") if inplace else ("switching", "modules")
+                raise RuntimeError(f"delta_swap: injected failure after {verb} {done} {unit}")
+
+        after_each = fault if fail_after >= 0 else None
+        staged = self._staging.result() if self._staging is not None else None  # done: waited for before the pause
+        with torch.inference_mode():
+            if inplace and isinstance(staged, InplaceStaged):
+                undo: UndoLog | ShadowBuild = scatter(
+                    dict(model.named_parameters()), staged.changes, after_each, staged.saved
+                )
+                count = len(staged.changes)
+            elif not inplace and isinstance(staged, ShadowBuild):
+                staged.switch(after_each)
+                undo, count = staged, len(staged.switches)
+            else:
+                raise RuntimeError(f"delta_swap: {op} before {'stage_inplace' if inplace else 'stage_shadow'}")
+            if torch.accelerator.is_available():
+                torch.accelerator.synchronize()
+        return count, undo
+
+    def drop(self) -> None:
+        """Forget what was staged, with the old values (modules) it kept (waiting for a staging
+        thread still running): the swap is final, or was never made."""
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            staging.cancel()
+            wait([staging])
+
+    def shutdown(self) -> None:
+        self._stager.shutdown(wait=False, cancel_futures=True)
+
+
+#: Tests only: while the file this names exists and holds N, every in-place (shadow) swap fails after
+#: writing N parameters (switching N modules), in the engine's process.
+FAIL_SCATTER_ENV = "DELTA_SWAP_TEST_FAIL_SCATTER"
+#: Tests only: while the file this names exists and holds N, every shadow build fails after N modules.
+FAIL_BUILD_ENV = "DELTA_SWAP_TEST_FAIL_BUILD"
+
+
+def injected_failure(env: str) -> int:
+    """The number of parameters (modules) after which the next apply (shadow build) fails, from
+    the marker file ``env`` names (-1: it does not). Read by the adapter, which passes it on."""
+    marker = os.environ.get(env)
+    if not marker or not os.path.exists(marker):
+        return -1
+    return int(Path(marker).read_text().strip() or 0)

@@ -1,0 +1,135 @@
+"""delta_swap.staged_swap (the engine-process half of the in-place path) on a stand-in torch model
+that loads by name through its parameters' loaders, as engines do. The real engines run in
+tests/test_vllm_exactness.py and tests/test_sglang_exactness.py (the Inplace classes)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+import torch
+
+from delta_swap.inplace import inplace_possible
+from delta_swap.staged_swap import FAIL_SCATTER_ENV, StagedSwap, injected_failure, read_staged
+
+
+def default_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    param.data.copy_(loaded)
+
+
+class Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.a = torch.nn.Parameter(torch.randn(4, 8, generator=gen).to(torch.bfloat16), requires_grad=False)
+        self.b = torch.nn.Parameter(torch.randn(16, generator=gen).to(torch.bfloat16), requires_grad=False)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        for name, tensor in weights:
+            param = params[name]
+            getattr(param, "weight_loader", default_loader)(param, tensor)
+
+
+def _checkpoint(model: Model) -> dict[str, torch.Tensor]:
+    return {name: p.data.clone() for name, p in model.named_parameters()}
+
+
+def _moved(t: torch.Tensor, every: int) -> torch.Tensor:
+    bits = t.clone().view(torch.int16).reshape(-1)
+    bits[::every] += 1
+    return bits.view(torch.bfloat16).reshape(t.shape)
+
+
+def _done(staged: StagedSwap) -> dict:
+    deadline = time.monotonic() + 30
+    while not (answer := staged.answer())["done"]:
+        assert time.monotonic() < deadline, answer
+        time.sleep(0.01)
+    return answer
+
+
+def test_a_staged_update_is_written_only_in_the_pause_and_only_where_it_changes() -> None:
+    model, staged = Model(), StagedSwap()
+    before = _checkpoint(model)
+    new_a = _moved(before["a"], 5)
+    staged.stage_inplace(model, [("a", new_a), ("b", before["b"])], {}, default_loader)
+    answer = _done(staged)
+    assert answer["elements"] == new_a.numel() // 5 + (new_a.numel() % 5 > 0) and answer["bytes"] > 0
+    assert torch.equal(model.a.data.view(torch.int16), before["a"].view(torch.int16))  # not yet
+    count, _undo = staged.apply("scatter", model)
+    assert count == 1 and torch.equal(model.a.data.view(torch.int16), new_a.view(torch.int16))
+    assert torch.equal(model.b.data.view(torch.int16), before["b"].view(torch.int16))
+    staged.drop()
+    assert staged.answer()["error"]
+    staged.shutdown()
+
+
+def test_a_failure_in_the_pause_puts_the_old_values_back_and_the_undo_outlives_the_swap() -> None:
+    model, staged = Model(), StagedSwap()
+    before = _checkpoint(model)
+    staged.stage_inplace(model, [("a", _moved(before["a"], 3)), ("b", _moved(before["b"], 2))], {}, default_loader)
+    _done(staged)
+    with pytest.raises(RuntimeError, match="injected failure after writing 1 parameters"):
+        staged.apply("scatter", model, fail_after=1)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.data.view(torch.int16), before[name].view(torch.int16)), name
+    staged.stage_inplace(model, [("a", _moved(before["a"], 3)), ("b", _moved(before["b"], 2))], {}, default_loader)
+    _done(staged)  # a retry stages again: the failed apply used up its saved old values
+    _count, undo = staged.apply("scatter", model)
+    assert not torch.equal(model.a.data.view(torch.int16), before["a"].view(torch.int16))
+    undo.undo()  # a rollback after the swap: bit-exact
+    for name, p in model.named_parameters():
+        assert torch.equal(p.data.view(torch.int16), before[name].view(torch.int16)), name
+    staged.shutdown()
+
+
+def test_applying_nothing_staged_or_the_wrong_kind_is_refused() -> None:
+    model, staged = Model(), StagedSwap()
+    with pytest.raises(RuntimeError, match="scatter before stage_inplace"):
+        staged.apply("scatter", model)
+    staged.stage_inplace(model, [("a", model.a.data.clone())], {}, default_loader)
+    assert _done(staged)["elements"] == 0
+    with pytest.raises(RuntimeError, match="switch before stage_shadow"):
+        staged.apply("switch", model)
+    staged.shutdown()
+
+
+def test_a_staging_error_is_answered_not_raised() -> None:
+    model, staged = Model(), StagedSwap()
+    staged.stage_inplace(model, [("a", torch.zeros(3, 3, dtype=torch.bfloat16))], {}, default_loader)
+    answer = _done(staged)
+    assert answer["done"] and "RuntimeError" in answer["error"], answer  # the loader's copy_ fails
+    staged.shutdown()
+
+
+def test_in_place_is_possible_only_where_parameters_hold_the_checkpoint_elements() -> None:
+    model = Model()
+    checkpoint = _checkpoint(model)
+    assert inplace_possible(model, checkpoint.items(), {}, default_loader) == (
+        True,
+        "parameters are plain tensors holding the checkpoint's elements",
+    )
+    model.b.data.mul_(2)  # an engine that keeps another form of b (a kernel's packing)
+    possible, reason = inplace_possible(model, checkpoint.items(), {}, default_loader)
+    assert not possible and "holds b in another form" in reason
+
+
+def test_staged_files_are_read_back_by_name(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.arange(4.0), "y": torch.ones(2)}, str(tmp_path / "s.safetensors"))
+    assert [n for n, _ in read_staged(str(tmp_path / "s.safetensors"), {"y"})] == ["y"]
+    assert [n for n, _ in read_staged(str(tmp_path))] == ["x", "y"]
+
+
+def test_an_injected_failure_is_read_from_its_marker_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    marker = tmp_path / "marker"
+    monkeypatch.setenv(FAIL_SCATTER_ENV, str(marker))
+    assert injected_failure(FAIL_SCATTER_ENV) == -1
+    marker.write_text("2")
+    assert injected_failure(FAIL_SCATTER_ENV) == 2
+    monkeypatch.delenv(FAIL_SCATTER_ENV)
+    assert injected_failure(FAIL_SCATTER_ENV) == -1
