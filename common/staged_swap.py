@@ -192,6 +192,21 @@ class StagedSwap:
         self._stager.shutdown(wait=False, cancel_futures=True)
 
 
+def merge_staged(answers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One summary of every rank's finished :meth:`StagedSwap.answer` (for the status's
+    ``last_staged``): ``fallback`` where any rank must reload instead, else the changed elements
+    (or shadow modules) summed over the ranks, and the largest rank's bytes and seconds."""
+    fallbacks = sorted({str(a["fallback"]) for a in answers if a.get("fallback")})
+    if fallbacks:
+        return {"fallback": "; ".join(fallbacks)}
+    count = "elements" if all("elements" in a for a in answers) else "modules"
+    return {
+        count: sum(int(a[count]) for a in answers),
+        "bytes": max(int(a["bytes"]) for a in answers),
+        "seconds": max(float(a["seconds"]) for a in answers),
+    }
+
+
 #: Tests only: while the file this names exists and holds N, every in-place (shadow) swap fails after
 #: writing N parameters (switching N modules), in the engine's process.
 FAIL_SCATTER_ENV = "DELTA_SWAP_TEST_FAIL_SCATTER"

@@ -52,7 +52,7 @@ from delta_swap.module_groups import tensors_of_modules
 from delta_swap.safetensors_io import write_safetensors
 from delta_swap.served_model import ServedModel
 from delta_swap.settings import DrainPolicy, Settings
-from delta_swap.staged_swap import FAIL_SCATTER_ENV, injected_failure
+from delta_swap.staged_swap import FAIL_SCATTER_ENV, injected_failure, merge_staged
 from delta_swap.tensors import StateDict, TensorSpecs
 from delta_swap.verify_budget import VerifyBudget
 
@@ -222,11 +222,7 @@ class SglangAdapter(EngineAdapter):
         except BaseException:
             await self.unstage(staged)
             raise
-        self.last_staged = {
-            "elements": sum(a["elements"] for a in answers),
-            "bytes": max(a["bytes"] for a in answers),
-            "seconds": max(a["seconds"] for a in answers),
-        }
+        self.last_staged = merge_staged(answers)
         return staged
 
     async def _on_ranks(self, request: dict[str, Any]) -> list[dict[str, Any]]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from delta_swap.inplace import inplace_possible
-from delta_swap.staged_swap import FAIL_SCATTER_ENV, StagedSwap, injected_failure, read_staged
+from delta_swap.staged_swap import FAIL_SCATTER_ENV, StagedSwap, injected_failure, merge_staged, read_staged
 
 
 def default_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -133,3 +133,14 @@ def test_an_injected_failure_is_read_from_its_marker_file(tmp_path: Path, monkey
     assert injected_failure(FAIL_SCATTER_ENV) == 2
     monkeypatch.delenv(FAIL_SCATTER_ENV)
     assert injected_failure(FAIL_SCATTER_ENV) == -1
+
+
+def test_every_ranks_staging_is_summed_and_any_fallback_wins() -> None:
+    ranks = [
+        {"done": True, "elements": 3, "bytes": 30, "seconds": 0.5},
+        {"done": True, "elements": 4, "bytes": 40, "seconds": 0.2},
+    ]
+    assert merge_staged(ranks) == {"elements": 7, "bytes": 40, "seconds": 0.5}
+    shadows = [{"done": True, "modules": 2, "bytes": 8, "seconds": 0.1}] * 2
+    assert merge_staged(shadows) == {"modules": 4, "bytes": 8, "seconds": 0.1}
+    assert merge_staged([ranks[0], {"done": True, "fallback": "experts"}]) == {"fallback": "experts"}

@@ -51,7 +51,7 @@ from delta_swap.module_groups import complete_modules, module_groups, tensors_of
 from delta_swap.safetensors_io import write_safetensors
 from delta_swap.served_model import ServedModel
 from delta_swap.settings import DrainPolicy, Settings, SwapPath
-from delta_swap.staged_swap import FAIL_BUILD_ENV, FAIL_SCATTER_ENV, injected_failure
+from delta_swap.staged_swap import FAIL_BUILD_ENV, FAIL_SCATTER_ENV, injected_failure, merge_staged
 from delta_swap.tensors import StateDict, TensorSpecs
 from delta_swap.verify_budget import VerifyBudget
 
@@ -296,17 +296,10 @@ class VllmAdapter(EngineAdapter):
             if answers and all(a["done"] for a in answers):
                 break
             await asyncio.sleep(STAGE_POLL_S)
-        fallbacks = sorted({a["fallback"] for a in answers if a.get("fallback")})
-        if fallbacks:
-            self.last_staged = {"fallback": "; ".join(fallbacks)}
+        self.last_staged = merge_staged(answers)
+        if "fallback" in self.last_staged:
             log.info("delta_swap: reloading this update: %s", self.last_staged["fallback"])
-            return self.last_staged["fallback"]
-        count = "elements" if op == "stage_inplace" else "modules"
-        self.last_staged = {
-            count: sum(a[count] for a in answers),
-            "bytes": max(a["bytes"] for a in answers),
-            "seconds": max(a["seconds"] for a in answers),
-        }
+            return str(self.last_staged["fallback"])
         return None
 
     async def unstage(self, staged: StagedFile | Arena) -> None:
