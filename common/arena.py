@@ -15,6 +15,7 @@ processes map the same file, so nothing is copied between them.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import mmap
 import os
@@ -28,6 +29,8 @@ from .dtypes import dtype_size
 from .errors import CorruptDataError, EngineError
 from .manifest import load_json
 from .tensors import HostTensor, StateDict, TensorSpecs
+
+log = logging.getLogger("delta_swap")
 
 #: Every slot starts at a multiple of this, so every view is aligned for any dtype and SIMD.
 ALIGN = 64
@@ -276,6 +279,31 @@ class ArenaPair:
             if state and all(arena.holds(t.data) for t in state.values() if t.nbytes):
                 return arena
         return None
+
+    @classmethod
+    def open(cls, folder: str | os.PathLike[str], layout_json: str) -> tuple[ArenaPair | None, str | None]:
+        """The pair for the layout an engine described (the adapter's side of the arena path), or
+        None and why not (no room in ``folder``: the engine's slower path still works)."""
+        try:
+            pair = cls(folder, ArenaLayout.from_json(layout_json))
+        except EngineError as exc:
+            log.warning("delta_swap: no weight arenas (%s): updates take the engine's own load path", exc)
+            return None, f"no weight arenas: {exc}"
+        log.info("delta_swap: swapping by reference between two %.1f MB weight arenas", pair.layout.nbytes / 1e6)
+        return pair, None
+
+    def spare_for(self, specs: TensorSpecs) -> StateDict | None:
+        """Where an update of ``specs`` is decoded: the spare arena's tensors, or None when the
+        update does not have this layout's tensors (off the event loop: see :meth:`spare_tensors`)."""
+        return self.spare_tensors() if specs == self.layout.specs else None
+
+    def staged(self, state: Mapping[str, HostTensor], engine: str) -> Arena | None:
+        """The arena an update decoded into it lives in (None: the update lives elsewhere, which
+        is only possible before the engine first moved into an arena)."""
+        arena = self.holding(state)
+        if arena is None and self.live is not None:
+            raise EngineError(f"{engine}: an update outside the weight arenas after the engine moved into them")
+        return arena
 
     def close(self) -> None:
         for arena in self.arenas:

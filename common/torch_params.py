@@ -18,10 +18,43 @@ from typing import Any
 import numpy as np
 
 from .arena import Arena, ArenaLayout
+from .checkpoint_dir import read_checkpoint_dir
 from .dtypes import dtype_size, from_torch_dtype, to_torch_dtype
 from .errors import ConfigError, DeltaSwapError
 from .host_memory import release_free_heap
+from .served_model import ServedModel
 from .tensors import StateDict, TensorSpecs
+
+
+def describe_arena(
+    params: Mapping[str, Any], packed: Mapping[str, Sequence[str]], served: ServedModel
+) -> tuple[ArenaLayout | None, str]:
+    """The engine-process side of the arena path: a layout for ``params`` checked byte for byte
+    against the served checkpoint (None, and why not, where there is none)."""
+    if not served.specs or served.checkpoint_dir is None:
+        return None, "the served checkpoint is not a local folder"
+    layout, reason = plan_layout(params, packed, served.specs)
+    if layout is not None:
+        checkpoint, _ = read_checkpoint_dir(served.checkpoint_dir)
+        mismatch = check_matches(params, layout, checkpoint)
+        if mismatch is not None:
+            return None, mismatch
+    return layout, reason
+
+
+class ArenaMappings:
+    """The arenas an engine process has mapped, by path; :meth:`point` is the swap."""
+
+    def __init__(self, layout: ArenaLayout) -> None:
+        self.layout = layout
+        self._arenas: dict[str, Arena] = {}
+
+    def point(self, params: Mapping[str, Any], path: str) -> None:
+        """Point every parameter at the arena file ``path`` (mapped on first use)."""
+        arena = self._arenas.get(path)
+        if arena is None:
+            arena = self._arenas[path] = Arena(path, self.layout)
+        point_parameters(params, arena)
 
 
 def plan_layout(

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from delta_swap.arena import Arena, ArenaLayout, ArenaPair
+from delta_swap.arena import Arena, ArenaPair
 from delta_swap.engine_adapter import EngineAdapter, WeightUpdate
 from delta_swap.errors import EngineError
 from delta_swap.module_groups import tensors_of_modules
@@ -156,26 +156,16 @@ class SglangAdapter(EngineAdapter):
             if self.inplace:
                 log.info("delta_swap: writing changed elements in place on each swap (%s)", self.path_reason)
             elif doc["layout"]:
-                layout = ArenaLayout.from_json(doc["layout"])
-                try:
-                    self.arenas = await asyncio.to_thread(ArenaPair, self.settings.staging_dir, layout)
-                    log.info("delta_swap: swapping by reference between two %.1f MB weight arenas", layout.nbytes / 1e6)
-                except EngineError as exc:  # e.g. no room in the staging folder: the slower path still works
-                    self.path_reason = f"no weight arenas: {exc}"
-                    log.warning("delta_swap: no weight arenas (%s); falling back to the %s path", exc, "tensor")
+                self.arenas, why_not = await asyncio.to_thread(ArenaPair.open, self.settings.staging_dir, doc["layout"])
+                self.path_reason = why_not or self.path_reason
             else:
                 log.info("delta_swap: loading changed tensors on each swap (%s)", doc.get("reason"))
-        if self.arenas is None or specs != self.arenas.layout.specs:
-            return None
-        return await asyncio.to_thread(self.arenas.spare_tensors)
+        return await asyncio.to_thread(self.arenas.spare_for, specs) if self.arenas else None
 
     async def stage(self, update: WeightUpdate) -> Bucket | Arena | InplaceFile | None:
-        if self.arenas is not None:
-            arena = self.arenas.holding(update.state)
-            if arena is not None:
-                return arena
-            if self.arenas.live is not None:
-                raise EngineError("sglang: an update outside the weight arenas after the engine moved into them")
+        arena = self.arenas.staged(update.state, "sglang") if self.arenas else None
+        if arena is not None:
+            return arena
         if not update.names:  # same bytes as now (e.g. a step that reverts): only the version moves
             return None
         if self.inplace:

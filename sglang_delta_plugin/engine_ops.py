@@ -40,7 +40,9 @@ LAYOUT_FILE_ENV = "DELTA_SWAP_LAYOUT_FILE"
 #: Llama-style fused parameters, for models that do not declare ``packed_modules_mapping``.
 DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
-_state: dict[str, Any] = {"layout": None, "arenas": {}, "staged": None}
+#: This scheduler's arena mappings (ArenaMappings, on the arena path) and staged in-place update
+#: (StagedSwap, on the in-place path).
+_state: dict[str, Any] = {"arenas": None, "staged": None}
 
 
 def packed_modules(model: Any) -> dict[str, list[str]]:
@@ -66,7 +68,10 @@ def describe_after_init(result: Any, scheduler: Any, server_args: Any, *args: An
             layout, reason = _describe(scheduler, server_args)
     except Exception as exc:  # never break the scheduler's start
         layout, inplace, reason = None, False, f"describing the parameters failed: {type(exc).__name__}: {exc}"
-    _state["layout"] = layout
+    if layout is not None:
+        from delta_swap.torch_params import ArenaMappings
+
+        _state["arenas"] = ArenaMappings(layout)
     rank = _tp_rank()
     if inplace:
         inplace, reason = _open_channel(model, packed or {}, rank, reason)
@@ -132,10 +137,9 @@ def _on_channel(model: Any, packed: dict[str, list[str]], request: dict[str, Any
 
 
 def _describe(scheduler: Any, server_args: Any) -> tuple[Any, str]:
-    from delta_swap.checkpoint_dir import read_checkpoint_dir
     from delta_swap.served_model import ServedModel
     from delta_swap.settings import Settings, SwapPath
-    from delta_swap.torch_params import check_matches, plan_layout
+    from delta_swap.torch_params import describe_arena
 
     swap_path = Settings.load().swap_path  # the HTTP server process exported it
     if swap_path is SwapPath.RELOAD:
@@ -146,16 +150,7 @@ def _describe(scheduler: Any, server_args: Any) -> tuple[Any, str]:
         return None, "tensor parallelism: every rank holds its own shard"
     model = scheduler.tp_worker.model_runner.model
     served = ServedModel.from_checkpoint(server_args.model_path)
-    if not served.specs or served.checkpoint_dir is None:
-        return None, "the served checkpoint is not a local folder"
-    params = dict(model.named_parameters())
-    layout, reason = plan_layout(params, packed_modules(model), served.specs)
-    if layout is not None:
-        checkpoint, _ = read_checkpoint_dir(served.checkpoint_dir)
-        mismatch = check_matches(params, layout, checkpoint)
-        if mismatch is not None:
-            return None, mismatch
-    return layout, reason
+    return describe_arena(dict(model.named_parameters()), packed_modules(model), served)
 
 
 def run(model: Any, named_tensors: list[tuple[str, Any]]) -> None:
@@ -187,16 +182,10 @@ def run(model: Any, named_tensors: list[tuple[str, Any]]) -> None:
 
 
 def _commit(model: Any, path: str) -> None:
-    from delta_swap.arena import Arena
-    from delta_swap.torch_params import point_parameters
-
-    layout = _state["layout"]
-    if layout is None:
+    arenas = _state["arenas"]
+    if arenas is None:
         raise ValueError("commit before the parameters were described")
-    arenas: dict[str, Arena] = _state["arenas"]
-    if path not in arenas:
-        arenas[path] = Arena(path, layout)
-    point_parameters(dict(model.named_parameters()), arenas[path])
+    arenas.point(dict(model.named_parameters()), path)
 
 
 def _scatter(model: Any, op: dict[str, Any]) -> dict[str, Any]:

@@ -44,7 +44,7 @@ from typing import Any
 
 from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-from delta_swap.arena import Arena, ArenaLayout, ArenaPair
+from delta_swap.arena import Arena, ArenaPair
 from delta_swap.engine_adapter import EngineAdapter, WeightUpdate
 from delta_swap.errors import EngineError
 from delta_swap.module_groups import complete_modules, module_groups, tensors_of_modules
@@ -211,13 +211,8 @@ class VllmAdapter(EngineAdapter):
             if self.inplace:
                 log.info("delta_swap: writing changed elements in place on each swap (%s)", doc["reason"])
             elif doc["layout"]:
-                layout = ArenaLayout.from_json(doc["layout"])
-                try:
-                    self.arenas = await asyncio.to_thread(ArenaPair, self.settings.staging_dir, layout)
-                    log.info("delta_swap: swapping by reference between two %.1f MB weight arenas", layout.nbytes / 1e6)
-                except EngineError as exc:  # e.g. no room in the staging folder: the slower path still works
-                    self.path_reason = f"no weight arenas: {exc}"
-                    log.warning("delta_swap: no weight arenas (%s); falling back to the %s path", exc, "reload")
+                self.arenas, why_not = await asyncio.to_thread(ArenaPair.open, self.settings.staging_dir, doc["layout"])
+                self.path_reason = why_not or self.path_reason
             elif self.shadow:
                 log.info("delta_swap: building changed modules before each swap (%s)", doc["reason"])
             else:
@@ -233,17 +228,12 @@ class VllmAdapter(EngineAdapter):
                     asked.value,
                     self.path_reason,
                 )
-        if self.arenas is None or specs != self.arenas.layout.specs:
-            return None
-        return await asyncio.to_thread(self.arenas.spare_tensors)
+        return await asyncio.to_thread(self.arenas.spare_for, specs) if self.arenas else None
 
     async def stage(self, update: WeightUpdate) -> StagedFile | Arena:
-        if self.arenas is not None:
-            arena = self.arenas.holding(update.state)
-            if arena is not None:
-                return arena
-            if self.arenas.live is not None:
-                raise EngineError("vllm: an update outside the weight arenas after the engine moved into them")
+        arena = self.arenas.staged(update.state, "vllm") if self.arenas else None
+        if arena is not None:
+            return arena
         if self.inplace:  # only the changed tensors: the workers find the changed elements of each
             names = sorted(update.names)
         elif self.packed is None:

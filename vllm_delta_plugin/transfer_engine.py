@@ -52,8 +52,6 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-from delta_swap.arena import Arena, ArenaLayout
-from delta_swap.checkpoint_dir import read_checkpoint_dir
 from delta_swap.dtypes import from_torch_dtype
 from delta_swap.errors import ChecksumMismatchError, IncompatibleSnapshotError
 from delta_swap.inplace import inplace_possible
@@ -63,7 +61,7 @@ from delta_swap.readback import verify_modules
 from delta_swap.served_model import ServedModel
 from delta_swap.settings import Settings, SwapPath
 from delta_swap.staged_swap import StagedSwap, read_staged
-from delta_swap.torch_params import check_matches, plan_layout, point_parameters
+from delta_swap.torch_params import ArenaMappings, describe_arena
 
 from .readback_shards import local_shards
 from .shadow_build import VllmShadowEngine, shadow_possible
@@ -111,8 +109,7 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         #: Modules that received tensors in the reload under way.
         self._touched: set[str] = set()
         self._active = False
-        self._layout: ArenaLayout | None = None
-        self._arenas: dict[str, Arena] = {}
+        self._arenas: ArenaMappings | None = None
         #: The in-place and shadow paths: what a thread of this worker stages while the engine
         #: generates, and the undo, kept until the swap is final.
         self._staged = StagedSwap()
@@ -152,7 +149,7 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         """Write the arena layout of this worker's parameters (or the reason there is none) and
         the fused-module mapping that updates on the reload path are completed with."""
         params = dict(self.model.named_parameters())
-        layout: ArenaLayout | None = None
+        layout = None
         swap_path = Settings.load().swap_path
         if swap_path is SwapPath.INPLACE:
             inplace, reason = self._inplace_possible()
@@ -162,16 +159,9 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             reason = "DELTA_SWAP_SWAP_PATH=reload"
         elif swap_path is SwapPath.SHADOW:
             reason = "DELTA_SWAP_SWAP_PATH=shadow"
-        elif not self._served.specs:
-            reason = "the served checkpoint is not a local folder"
         else:
-            layout, reason = plan_layout(params, self._packed, self._served.specs)
-        if layout is not None and self._served.checkpoint_dir is not None:
-            checkpoint, _ = read_checkpoint_dir(self._served.checkpoint_dir)
-            mismatch = check_matches(params, layout, checkpoint)
-            if mismatch is not None:
-                layout, reason = None, mismatch
-        self._layout = layout
+            layout, reason = describe_arena(params, self._packed, self._served)
+        self._arenas = ArenaMappings(layout) if layout is not None else None
         shadow = False
         if layout is None and swap_path in (SwapPath.AUTO, SwapPath.SHADOW):
             why_not = self._shadow_impossible()
@@ -193,13 +183,10 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
 
     def _commit(self, path: str) -> None:
         """Point every parameter at the arena ``path`` (mapped on first use)."""
-        if self._layout is None:
+        if self._arenas is None:
             raise ValueError("delta_swap: commit before a layout was described")
         started = time.perf_counter()
-        arena = self._arenas.get(path)
-        if arena is None:
-            arena = self._arenas[path] = Arena(path, self._layout)
-        point_parameters(dict(self.model.named_parameters()), arena)
+        self._arenas.point(dict(self.model.named_parameters()), path)
         log.info("delta_swap: parameters now live in %s (%.1f ms)", path, 1000 * (time.perf_counter() - started))
 
     def _inplace_possible(self) -> tuple[bool, str]:

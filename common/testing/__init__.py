@@ -53,7 +53,7 @@ class RecordingAdapter(EngineAdapter):
     async def stage(self, update: WeightUpdate) -> object:
         """With arenas: the arena that holds the update (the spare one, or on a rollback the live
         one); the swap makes it live."""
-        return None if self.arenas is None else self.arenas.holding(update.state)
+        return None if self.arenas is None else self.arenas.staged(update.state, "recording")
 
     async def pause(self, drain: DrainPolicy, timeout_s: float) -> None:
         self.calls.append(f"pause:{drain.value}")
