@@ -51,8 +51,10 @@ def packed_modules(model: Any) -> dict[str, list[str]]:
 
 
 def describe_after_init(result: Any, scheduler: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
-    """Write the arena layout of this scheduler's model (TP rank 0 of a single-rank server) and its
-    fused-module mapping (which checkpoint tensors load into one module, for the read-back)."""
+    """Write how this scheduler's rank swaps (rank 0 to the layout file, rank k to ``FILE.k``):
+    its arena layout (one rank), or whether it can write changed elements in place (``auto``
+    where no arena applies, or when asked), with the reason, and its fused-module mapping (which
+    checkpoint tensors load into one module, for the read-back)."""
     output = os.environ.get(LAYOUT_FILE_ENV)
     if not output or LOADER not in (getattr(server_args, "custom_weight_loader", None) or []):
         return
@@ -62,10 +64,14 @@ def describe_after_init(result: Any, scheduler: Any, server_args: Any, *args: An
     try:
         model = scheduler.tp_worker.model_runner.model
         packed = packed_modules(model)
-        if Settings.load().swap_path is SwapPath.INPLACE:  # the HTTP server process exported it
+        swap_path = Settings.load().swap_path  # the HTTP server process exported it
+        if swap_path is SwapPath.INPLACE:
             inplace, reason = _inplace_possible(model, server_args, packed)
         else:
             layout, reason = _describe(scheduler, server_args)
+            if layout is None and swap_path is SwapPath.AUTO:  # no arena (TP > 1, MoE experts...)
+                inplace, why = _inplace_possible(model, server_args, packed)
+                reason = f"{reason}; {'changed elements written in place' if inplace else why}"
     except Exception as exc:  # never break the scheduler's start
         layout, inplace, reason = None, False, f"describing the parameters failed: {type(exc).__name__}: {exc}"
     if layout is not None:

@@ -48,7 +48,7 @@ class SglangExactness(TinyModelExactness):
         )
 
     #: Without a store SGLang's plugin does nothing, so every path's reference is the same server.
-    reference_swap_path = {"arena": "reload", "inplace": "reload"}
+    reference_swap_path = {"arena": "reload", "inplace": "reload", "auto": "reload"}
 
     def start_server(self, model: Path, workdir: Path, settings: Mapping[str, object], log_name: str) -> Server:
         env = {**EXIT_AT_ONCE, **self.env}
@@ -148,11 +148,11 @@ class TestQwen3MoeInplace(SglangExactness):
     family, swap_path = "qwen3_moe", "inplace"
 
 
-class TestQwen3TiedInplaceTP2(TestQwen3TiedTensorTP2):
-    """Each rank finds and writes the changed elements of its own shard (the tied embedding's
-    vocabulary half, column and row shards)."""
+class TestQwen3TiedAutoTP2(TestQwen3TiedTensorTP2):
+    """``auto`` at TP 2 (no arena) takes the in-place path: each rank finds and writes the changed
+    elements of its own shard (the tied embedding's vocabulary half, column and row shards)."""
 
-    swap_path = "inplace"
+    swap_path, auto_takes = "auto", "inplace"
 
 
 REVERT_FIXES = Path(__file__).parent / "support" / "revert_fixes"

@@ -125,6 +125,9 @@ class EngineExactnessTests:
     #: The swap path a reference server (no store) is started with, by the path under test: paths
     #: that hold the weights the same way share their references.
     reference_swap_path: ClassVar[Mapping[str, str]] = REFERENCE_SWAP_PATH
+    #: With ``swap_path = "auto"``: the path auto must take here unless the engine holds its weights
+    #: in another form than the checkpoint (then the status says so, and the check is skipped).
+    auto_takes: ClassVar[str | None] = None
 
     # ------------------------------------------------------------------ engine hooks
 
@@ -201,6 +204,10 @@ class EngineExactnessTests:
             assert st["swap_path"] in ("reload", "tensor"), st
         elif self.swap_path in ("arena", "inplace", "shadow") and st["swap_path"] != self.swap_path:
             pytest.skip(_cannot_take(st, self.family, self.swap_path))
+        elif self.swap_path == "auto" and self.auto_takes and st["swap_path"] != self.auto_takes:
+            # only an engine that holds its weights in another form here may take another path
+            assert "another form" in st["swap_path_reason"], st
+            pytest.skip(_cannot_take(st, self.family, self.auto_takes))
 
     def test_every_partial_delta_serves_what_a_fresh_server_serves(
         self, chain: Chain, request: pytest.FixtureRequest
