@@ -79,6 +79,9 @@ class TestQwen2Tensor(SglangExactness):
     family, swap_path = "qwen2", "reload"
 
 
+@pytest.mark.full_matrix(
+    "the tied embedding on the tensor path: TestQwen3TiedTensorTP2 and the stale-embedding read-back at TP 1 and 2"
+)
 class TestQwen3TiedTensor(SglangExactness):
     family, swap_path = "qwen3", "reload"
 
