@@ -33,6 +33,7 @@ from tests.support.rollout_scenarios import (
     untrusted_inputs_never_reach_the_model,
     wait_for,
 )
+from tests.support.vllm_cpu import vllm_repacks_bf16_linears
 
 pytestmark = pytest.mark.engine
 
@@ -270,12 +271,9 @@ def test_swap_matches_a_fresh_server_with_no_stale_prefix_kv(live, models, refer
 
 
 def expected_swap_path() -> str:
-    """On CPUs without AMX or AVX512-BF16 vLLM keeps bf16 weights as plain tensors: arenas apply;
-    with them it repacks its linear weights, and the changed modules are built as shadows."""
-    import torch
-
-    packed = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
-    return "shadow" if packed else "arena"
+    """Where vLLM keeps bf16 weights as plain tensors (CPUs without AMX or AVX512-BF16) arenas
+    apply; where it repacks its linear weights, the changed modules are built as shadows."""
+    return "shadow" if vllm_repacks_bf16_linears() else "arena"
 
 
 def test_the_openai_routes_report_the_weight_version(live) -> None:

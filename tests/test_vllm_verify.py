@@ -14,6 +14,7 @@ from delta_swap.testing.engine_exactness import PARTIAL_DELTAS
 from examples.servers import vllm as vllm_server
 from examples.tiny_model import make_tiny_model, perturb_weights
 from tests.support.rollout_scenarios import publish_dirs, status, wait_for
+from tests.support.vllm_cpu import vllm_repacks_bf16_linears
 
 pytestmark = pytest.mark.engine
 
@@ -38,6 +39,11 @@ TP2 = 2
     ],
 )
 def test_verification_catches_the_bug_a_reverted_fix_lets_through(family, fix, named, verify, tp, tmp_path) -> None:
+    if fix == "tied" and not vllm_repacks_bf16_linears():
+        pytest.skip(
+            "vLLM keeps plain bf16 weights on this CPU (no AMX, no oneDNN bf16 matmul): a tied lm_head "
+            "computes from the embedding itself, so there is no packed copy to leave stale"
+        )
     base = make_tiny_model(tmp_path / "A", family=family)
     what, only = PARTIAL_DELTAS[family][0]
     step1 = perturb_weights(base, tmp_path / "B", only=only, seed=1)
