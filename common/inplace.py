@@ -224,21 +224,3 @@ def _merged(changes: Iterable[ElementChanges]) -> list[ElementChanges]:
     for change in changes:
         by_param.setdefault(change.param, []).append(change)
     return [merge(parts) for parts in by_param.values()]
-
-
-def inplace_possible(
-    model: torch.nn.Module,
-    checkpoint: Iterable[tuple[str, torch.Tensor]],
-    packed: Mapping[str, Sequence[str]],
-    default_loader: Callable[..., Any],
-) -> tuple[bool, str]:
-    """Whether every parameter of ``model`` holds the served ``checkpoint``'s values as plain
-    elements where the model's own loaders put them (else: why not), checked by loading the
-    checkpoint into scratch copies: no element may differ."""
-    try:
-        changes, _ignored = element_changes(model, checkpoint, packed, default_loader)
-    except Exception as exc:
-        return False, f"cannot map the checkpoint onto the parameters: {type(exc).__name__}: {exc}"
-    if changes:
-        return False, f"the engine holds {changes[0].param} in another form than the checkpoint (packed for a kernel?)"
-    return True, "parameters are plain tensors holding the checkpoint's elements"

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from .inplace import ElementChanges, UndoLog, element_changes, save_old_values, scatter
+from .served_model import ServedModel
 from .shadow import ShadowBuild, ShadowEngine, ShadowUnsupported, build_shadows
 
 log = logging.getLogger("delta_swap")
@@ -55,6 +56,30 @@ def read_staged(path: str, wanted: set[str] | None = None) -> list[tuple[str, to
         with safe_open(str(file), framework="pt", device="cpu") as f:
             out.extend((name, f.get_tensor(name)) for name in f.keys() if not wanted or name in wanted)
     return out
+
+
+def inplace_possible(
+    model: torch.nn.Module,
+    served: ServedModel,
+    packed: Mapping[str, Sequence[str]],
+    default_loader: Callable[..., Any],
+    context: LoadContext = nullcontext,
+) -> tuple[bool, str]:
+    """Whether every parameter of ``model`` holds the served checkpoint's values as plain elements
+    where the model's own loaders put them (else: why not), checked by loading the checkpoint into
+    scratch copies: no element may differ."""
+    if served.checkpoint_dir is None:
+        return False, "the served checkpoint is not a local folder"
+    started = time.perf_counter()
+    try:
+        with context(), torch.inference_mode():
+            changes, _ignored = element_changes(model, read_staged(served.checkpoint_dir), packed, default_loader)
+    except Exception as exc:
+        return False, f"cannot map the checkpoint onto the parameters: {type(exc).__name__}: {exc}"
+    if changes:
+        return False, f"the engine holds {changes[0].param} in another form than the checkpoint (packed for a kernel?)"
+    log.info("delta_swap: parameters hold the checkpoint's elements (checked in %.2fs)", time.perf_counter() - started)
+    return True, "parameters are plain tensors holding the checkpoint's elements"
 
 
 class StagedSwap:

@@ -91,18 +91,13 @@ def describe_after_init(result: Any, scheduler: Any, server_args: Any, *args: An
 def _inplace_possible(model: Any, server_args: Any, packed: dict[str, list[str]]) -> tuple[bool, str]:
     """Whether this rank's parameters hold the served checkpoint's elements where SGLang's own
     loaders put them (else: why not)."""
-    import torch
     from sglang.srt.model_loader.weight_utils import default_weight_loader
 
-    from delta_swap.inplace import inplace_possible
     from delta_swap.served_model import ServedModel
-    from delta_swap.staged_swap import read_staged
+    from delta_swap.staged_swap import inplace_possible
 
     served = ServedModel.from_checkpoint(server_args.model_path)
-    if served.checkpoint_dir is None:
-        return False, "the served checkpoint is not a local folder"
-    with torch.inference_mode():
-        return inplace_possible(model, read_staged(str(served.checkpoint_dir)), packed, default_weight_loader)
+    return inplace_possible(model, served, packed, default_weight_loader)
 
 
 def _open_channel(model: Any, packed: dict[str, list[str]], rank: int, reason: str) -> tuple[bool, str]:

@@ -11,8 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from delta_swap.inplace import inplace_possible
-from delta_swap.staged_swap import FAIL_SCATTER_ENV, StagedSwap, injected_failure, merge_staged, read_staged
+from delta_swap.served_model import ServedModel
+from delta_swap.staged_swap import (
+    FAIL_SCATTER_ENV,
+    StagedSwap,
+    injected_failure,
+    inplace_possible,
+    merge_staged,
+    read_staged,
+)
 
 
 def default_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -105,16 +112,23 @@ def test_a_staging_error_is_answered_not_raised() -> None:
     staged.shutdown()
 
 
-def test_in_place_is_possible_only_where_parameters_hold_the_checkpoint_elements() -> None:
+def test_in_place_is_possible_only_where_parameters_hold_the_checkpoint_elements(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
     model = Model()
-    checkpoint = _checkpoint(model)
-    assert inplace_possible(model, checkpoint.items(), {}, default_loader) == (
+    save_file(_checkpoint(model), str(tmp_path / "model.safetensors"))
+    served = ServedModel.from_checkpoint(tmp_path)
+    assert inplace_possible(model, served, {}, default_loader) == (
         True,
         "parameters are plain tensors holding the checkpoint's elements",
     )
     model.b.data.mul_(2)  # an engine that keeps another form of b (a kernel's packing)
-    possible, reason = inplace_possible(model, checkpoint.items(), {}, default_loader)
+    possible, reason = inplace_possible(model, served, {}, default_loader)
     assert not possible and "holds b in another form" in reason
+    assert inplace_possible(model, ServedModel(None, {}), {}, default_loader) == (
+        False,
+        "the served checkpoint is not a local folder",
+    )
 
 
 def test_staged_files_are_read_back_by_name(tmp_path: Path) -> None:

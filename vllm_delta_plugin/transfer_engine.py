@@ -54,13 +54,12 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 from delta_swap.dtypes import from_torch_dtype
 from delta_swap.errors import ChecksumMismatchError, IncompatibleSnapshotError
-from delta_swap.inplace import inplace_possible
 from delta_swap.module_groups import complete_modules, module_groups, module_of
 from delta_swap.readback import modules_sharing_parameters_with as _modules_sharing_parameters_with
 from delta_swap.readback import verify_modules
 from delta_swap.served_model import ServedModel
 from delta_swap.settings import Settings, SwapPath
-from delta_swap.staged_swap import StagedSwap, read_staged
+from delta_swap.staged_swap import StagedSwap, inplace_possible, read_staged
 from delta_swap.torch_params import ArenaMappings, describe_arena
 
 from .readback_shards import local_shards
@@ -152,7 +151,9 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         layout = None
         swap_path = Settings.load().swap_path
         if swap_path is SwapPath.INPLACE:
-            inplace, reason = self._inplace_possible()
+            inplace, reason = inplace_possible(
+                self.model, self._served, self._packed, default_weight_loader, self._load_context
+            )
             write_worker_result(output, {"layout": None, "reason": reason, "packed": self._packed, "inplace": inplace})
             return
         if swap_path is SwapPath.RELOAD:
@@ -188,18 +189,6 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         started = time.perf_counter()
         self._arenas.point(dict(self.model.named_parameters()), path)
         log.info("delta_swap: parameters now live in %s (%.1f ms)", path, 1000 * (time.perf_counter() - started))
-
-    def _inplace_possible(self) -> tuple[bool, str]:
-        """Whether every parameter holds the served checkpoint's values as plain elements where
-        the model's own loaders put them (else: why not)."""
-        if self._served.checkpoint_dir is None:
-            return False, "the served checkpoint is not a local folder"
-        started = time.perf_counter()
-        weights = read_staged(self._served.checkpoint_dir, set())
-        with set_current_vllm_config(self.vllm_config), torch.inference_mode():
-            possible, reason = inplace_possible(self.model, weights, self._packed, default_weight_loader)
-        log.info("delta_swap: in place: %s (checked in %.2fs)", reason, time.perf_counter() - started)
-        return possible, reason
 
     def _load_context(self) -> Any:
         return set_current_vllm_config(self.vllm_config)
