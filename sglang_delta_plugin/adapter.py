@@ -7,8 +7,9 @@ Three paths, chosen once per server from what the scheduler reports when it star
   AMX): updates are decoded straight into the spare one of two shared-memory weight arenas laid
   out like SGLang's parameters, and the swap has delta-swap's custom weight loader point every
   parameter at it: the pause does not grow with the model;
-* **inplace** (``swap_path=inplace``, where every parameter of every tensor-parallel rank is a
-  plain tensor holding the checkpoint's elements): the changed tensors are staged, and while the
+* **inplace** (``swap_path=inplace``, and ``auto`` where no arena applies: tensor parallelism,
+  MoE experts; where every parameter of every tensor-parallel rank is a plain tensor holding the
+  checkpoint's elements): the changed tensors are staged, and while the
   engine generates each rank's scheduler works out which elements of its parameters change
   (through the model's own loaders; asked through :mod:`.scheduler_channel`); the pause writes only
   those with an undo log (delta-swap's custom weight loader, :mod:`delta_swap.inplace`);
@@ -354,6 +355,10 @@ class SglangAdapter(EngineAdapter):
         outcome = await self._run_op({"op": "verify", "path": check_path}, version)
         if not outcome.get("ok"):
             raise EngineError(f"sglang: {outcome.get('error')}")
+        return self._record_verification(outcome)
+
+    def _record_verification(self, outcome: dict[str, Any]) -> float:
+        """Keep what every rank read back (merged) for the status; the read-back's seconds."""
         self.last_verification = {
             "checks": outcome["checks"],
             "seconds": outcome["seconds"],
@@ -375,14 +380,7 @@ class SglangAdapter(EngineAdapter):
         outcome = await self._run_op(op, version)
         if not outcome.get("ok"):
             raise EngineError(f"sglang: the in-place swap failed and was undone: {outcome.get('error')}")
-        check_s = None
-        if staged.check_path:
-            self.last_verification = {
-                "checks": outcome["checks"],
-                "seconds": outcome["seconds"],
-                "workers": outcome.get("ranks", 1),
-            }
-            check_s = float(outcome["seconds"])
+        check_s = self._record_verification(outcome) if staged.check_path else None
         log.info("delta_swap: wrote the changed elements of %d tensors as %s", len(update.names), version)
         self.verify_budget.record(time.perf_counter() - started - (check_s or 0.0), check_s)
 
