@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -237,6 +237,15 @@ def merge_staged(answers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 FAIL_SCATTER_ENV = "DELTA_SWAP_TEST_FAIL_SCATTER"
 #: Tests only: while the file this names exists and holds N, every shadow build fails after N modules.
 FAIL_BUILD_ENV = "DELTA_SWAP_TEST_FAIL_BUILD"
+
+
+async def injected_swap_failure(version: str | None, served_version: Callable[[], Awaitable[str | None]]) -> int:
+    """:func:`injected_failure` of :data:`FAIL_SCATTER_ENV` for a swap to ``version``; never for
+    the swap back to the version the engine serves (a rollback), which tests do not fail."""
+    fail_after = injected_failure(FAIL_SCATTER_ENV)
+    if fail_after >= 0 and version is not None and version == await served_version():
+        return -1
+    return fail_after
 
 
 def injected_failure(env: str) -> int:

@@ -53,7 +53,7 @@ from delta_swap.module_groups import tensors_of_modules
 from delta_swap.safetensors_io import write_safetensors
 from delta_swap.served_model import ServedModel
 from delta_swap.settings import DrainPolicy, Settings
-from delta_swap.staged_swap import FAIL_SCATTER_ENV, injected_failure, merge_staged
+from delta_swap.staged_swap import injected_swap_failure, merge_staged
 from delta_swap.tensors import StateDict, TensorSpecs
 from delta_swap.verify_budget import VerifyBudget
 
@@ -369,10 +369,7 @@ class SglangAdapter(EngineAdapter):
     async def _scatter(self, update: WeightUpdate, staged: InplaceFile, version: str) -> None:
         """Have every rank write its staged changed elements (and read the changed modules back, if
         due); a rank that fails undoes its writes and answers why."""
-        fail_after = injected_failure(FAIL_SCATTER_ENV)
-        # tests inject failures into swaps, not into the swap back to the version served (a rollback)
-        if fail_after >= 0 and update.version is not None and update.version == await self.weight_version():
-            fail_after = -1
+        fail_after = await injected_swap_failure(update.version, self.weight_version)
         op: dict[str, Any] = {"op": "scatter", "fail_after": fail_after}
         if staged.check_path:
             op["verify_path"] = staged.check_path

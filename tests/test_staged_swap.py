@@ -16,6 +16,7 @@ from delta_swap.staged_swap import (
     FAIL_SCATTER_ENV,
     StagedSwap,
     injected_failure,
+    injected_swap_failure,
     inplace_possible,
     merge_staged,
     read_staged,
@@ -158,3 +159,16 @@ def test_every_ranks_staging_is_summed_and_any_fallback_wins() -> None:
     shadows = [{"done": True, "modules": 2, "bytes": 8, "seconds": 0.1}] * 2
     assert merge_staged(shadows) == {"modules": 4, "bytes": 8, "seconds": 0.1}
     assert merge_staged([ranks[0], {"done": True, "fallback": "experts"}]) == {"fallback": "experts"}
+
+
+async def test_an_injected_swap_failure_spares_the_rollback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    marker = tmp_path / "marker"
+    marker.write_text("1")
+    monkeypatch.setenv(FAIL_SCATTER_ENV, str(marker))
+
+    async def served() -> str:
+        return "step-1"
+
+    assert await injected_swap_failure("step-2", served) == 1
+    assert await injected_swap_failure("step-1", served) == -1  # back to what is served: a rollback
+    assert await injected_swap_failure(None, served) == 1

@@ -51,7 +51,7 @@ from delta_swap.module_groups import complete_modules, module_groups, tensors_of
 from delta_swap.safetensors_io import write_safetensors
 from delta_swap.served_model import ServedModel
 from delta_swap.settings import DrainPolicy, Settings, SwapPath
-from delta_swap.staged_swap import FAIL_BUILD_ENV, FAIL_SCATTER_ENV, injected_failure, merge_staged
+from delta_swap.staged_swap import FAIL_BUILD_ENV, injected_failure, injected_swap_failure, merge_staged
 from delta_swap.tensors import StateDict, TensorSpecs
 from delta_swap.verify_budget import VerifyBudget
 
@@ -329,10 +329,7 @@ class VllmAdapter(EngineAdapter):
             assert self.arenas is not None
             self.arenas.live = staged
         else:
-            fail_after = injected_failure(FAIL_SCATTER_ENV)
-            # tests inject failures into swaps, not into the swap back to the version served (a rollback)
-            if fail_after >= 0 and update.version is not None and update.version == await self.weight_version():
-                fail_after = -1
+            fail_after = await injected_swap_failure(update.version, self.weight_version)
             if staged.inplace:  # a worker that fails undoes its writes and answers the error
                 await self._apply(staged, {"op": "scatter", "fail_after": fail_after}, answered=True)
             elif staged.shadow:  # likewise, switching its modules back
