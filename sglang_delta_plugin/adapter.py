@@ -53,7 +53,7 @@ from delta_swap.module_groups import tensors_of_modules
 from delta_swap.safetensors_io import write_safetensors
 from delta_swap.served_model import ServedModel
 from delta_swap.settings import DrainPolicy, Settings
-from delta_swap.staged_swap import injected_swap_failure, merge_staged
+from delta_swap.staged_swap import STAGE_POLL_S, injected_swap_failure, merge_staged
 from delta_swap.tensors import StateDict, TensorSpecs
 from delta_swap.verify_budget import VerifyBudget
 
@@ -88,10 +88,6 @@ class InplaceFile:
 
     path: str
     check_path: str | None
-
-
-#: How often the HTTP server asks the schedulers whether they have staged an in-place update.
-STAGE_POLL_S = 0.01
 
 
 class SglangAdapter(EngineAdapter):

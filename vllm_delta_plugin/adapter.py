@@ -51,7 +51,13 @@ from delta_swap.module_groups import complete_modules, module_groups, tensors_of
 from delta_swap.safetensors_io import write_safetensors
 from delta_swap.served_model import ServedModel
 from delta_swap.settings import DrainPolicy, Settings, SwapPath
-from delta_swap.staged_swap import FAIL_BUILD_ENV, injected_failure, injected_swap_failure, merge_staged
+from delta_swap.staged_swap import (
+    FAIL_BUILD_ENV,
+    STAGE_POLL_S,
+    injected_failure,
+    injected_swap_failure,
+    merge_staged,
+)
 from delta_swap.tensors import StateDict, TensorSpecs
 from delta_swap.verify_budget import VerifyBudget
 
@@ -382,7 +388,3 @@ class VllmAdapter(EngineAdapter):
     async def resume(self) -> None:
         if await self.engine.is_paused():
             await self.engine.resume_generation()
-
-
-#: How often the API server asks the workers whether they have staged an in-place update.
-STAGE_POLL_S = 0.01
