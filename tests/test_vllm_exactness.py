@@ -88,7 +88,7 @@ class TensorParallel2(VllmExactness):
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 
-@pytest.mark.full_matrix("TP 2: TestQwen3MoeShadowTP2 (its expert updates reload), TestQwen3TiedInplaceTP2")
+@pytest.mark.full_matrix("TP 2: TestQwen3MoeShadowTP2 (its expert updates reload), TestQwen3TiedAutoTP2")
 class TestQwen3TiedReloadTP2(TensorParallel2):
     """Every tensor-parallel rank reloads its shard."""
 
@@ -218,15 +218,17 @@ class TestQwen3MoeShadowTP2(TensorParallel2):
     reloaded = frozenset({"one expert of one layer"})
 
 
-@pytest.mark.full_matrix("the tied embedding in place: TestQwen3TiedInplaceTP2")
+@pytest.mark.full_matrix("the tied embedding in place: TestQwen3TiedAutoTP2")
 class TestQwen3TiedInplace(VllmExactness):
     family, swap_path = "qwen3", "inplace"
 
 
-class TestQwen3TiedInplaceTP2(TensorParallel2):
-    """Each tensor-parallel rank finds and writes the changed elements of its own shard."""
+class TestQwen3TiedAutoTP2(TensorParallel2):
+    """``auto`` at TP 2 (no arena) takes the in-place path where vLLM keeps plain weights: each
+    rank finds and writes the changed elements of its own shard (the tied embedding's vocabulary
+    half, column and row shards)."""
 
-    family, swap_path = "qwen3", "inplace"
+    family, swap_path, auto_takes = "qwen3", "auto", "inplace"
 
 
 @pytest.mark.full_matrix("MoE swaps: TestQwen3MoeShadow (its expert updates reload)")

@@ -104,6 +104,10 @@ def test_every_worker_answers_and_the_deployment_takes_the_arena_path_only_if_al
     assert merge_layouts(answers)["layout"] is None and "different layouts" in merge_layouts(answers)["reason"]
     assert merge_layouts([same, same])["layout"] == same["layout"]
     assert merge_layouts([same, {**same, "layout": None, "reason": "packed"}])["reason"] == "packed"
+    # in place (or shadow) only where every rank can: one rank that cannot sends all to the reload path
+    plain, packed = {"layout": None, "reason": "plain", "inplace": True}, {"layout": None, "reason": "packed"}
+    assert merge_layouts([plain, plain])["inplace"] is True
+    assert merge_layouts([plain, packed])["inplace"] is False
     verified = merge_verifications([{"checks": 3, "seconds": 0.1}, {"checks": 4, "seconds": 0.2}])
     assert verified == {"checks": 7, "seconds": 0.2, "workers": 2}
     assert "shards" in merge_verifications([{"checks": 0, "seconds": 0.0, "skipped": "ranks hold shards"}])["skipped"]

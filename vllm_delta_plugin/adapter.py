@@ -1,14 +1,14 @@
 """The vLLM engine adapter: swaps verified updates into a running vLLM through its engine client.
 
-Three paths, chosen once per server from what the workers report (``describe``):
+Four paths, chosen once per server from what the workers report (``describe``); ``auto`` tries
+them in this order:
 
 * **arena** (parameters are plain host tensors, as on CPUs without AMX or AVX512-BF16): updates
   are decoded straight into the spare one of two shared-memory weight arenas laid out like the
   engine's parameters, and the swap points every parameter at it (``commit``): the pause does not
   grow with the model, and the spare arena is the only copy delta-swap adds;
-* **inplace** (``swap_path=inplace``, where every parameter is a plain tensor holding the
-  checkpoint's elements: vLLM on GPUs for bf16/fp16, its CPU path with plain weights; every
-  tensor-parallel rank): the changed tensors are staged, and while the engine generates each worker
+* **inplace** (where every rank's parameters are plain tensors holding the checkpoint's elements
+  but no arena applies: tensor parallel > 1, vLLM on GPUs for bf16/fp16): the changed tensors are staged, and while the engine generates each worker
   works out which elements of its parameters change (through the model's own loaders) and keeps
   them next to them; the pause writes only those, with an undo log (:mod:`delta_swap.inplace`);
 * **shadow** (vLLM's CPU path where it repacks weights for oneDNN or AMX; ``auto`` there): the
@@ -103,6 +103,8 @@ def merge_layouts(answers: list[dict[str, Any]]) -> dict[str, Any]:
     if not answers:
         raise EngineError("vllm: no worker described its parameters")
     first = answers[0]
+    # each rank decides for itself; the deployment takes a path only where every rank can
+    first = {**first, **{k: all(a.get(k) for a in answers) for k in ("inplace", "shadow") if k in first}}
     for other in answers[1:]:
         if other["layout"] is None:
             return {**first, "layout": None, "reason": other["reason"]}

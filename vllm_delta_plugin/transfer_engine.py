@@ -145,8 +145,11 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             raise ValueError(f"delta_swap: unknown operation {update_info.op!r}")
 
     def _describe(self, output: str) -> None:
-        """Write the arena layout of this worker's parameters (or the reason there is none) and
-        the fused-module mapping that updates on the reload path are completed with."""
+        """Write how this worker swaps, with the reason: its arena layout (``auto``: one rank of
+        plain host tensors), else whether it writes changed elements in place (``auto``: plain
+        tensors holding the checkpoint's elements, as at tensor parallel > 1 or on a GPU), else
+        whether it builds shadow modules (``auto``: weights repacked on the CPU); and the
+        fused-module mapping that updates on the reload path are completed with."""
         params = dict(self.model.named_parameters())
         layout = None
         swap_path = Settings.load().swap_path
@@ -163,6 +166,17 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         else:
             layout, reason = describe_arena(params, self._packed, self._served)
         self._arenas = ArenaMappings(layout) if layout is not None else None
+        if layout is None and swap_path is SwapPath.AUTO:
+            inplace, why = inplace_possible(
+                self.model, self._served, self._packed, default_weight_loader, self._load_context
+            )
+            if inplace:
+                reason = f"{reason}; changed elements written in place"
+                write_worker_result(
+                    output, {"layout": None, "reason": reason, "packed": self._packed, "inplace": True}
+                )
+                return
+            reason = f"{reason}; {why}"
         shadow = False
         if layout is None and swap_path in (SwapPath.AUTO, SwapPath.SHADOW):
             why_not = self._shadow_impossible()
