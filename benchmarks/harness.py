@@ -75,6 +75,8 @@ class Trainer:
     model: Path
     store: Path
     step: int = 0
+    #: The fraction of every tensor's elements each step moves (:func:`rl_update`).
+    fraction: float = 0.02
 
     def __post_init__(self) -> None:
         shutil.rmtree(self.store, ignore_errors=True)  # a fresh chain: the store is this trainer's own
@@ -90,7 +92,7 @@ class Trainer:
 
     def advance(self) -> None:
         """The next training step: an RL-sized update of the weights (not published yet)."""
-        rl_update(self.weights, self.gen)
+        rl_update(self.weights, self.gen, self.fraction)
         self.step += 1
 
     def publish_current(self) -> float:

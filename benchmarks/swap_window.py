@@ -3,10 +3,13 @@ the engine's own full reload of the same weights, and a restart, on vLLM and SGL
 
     python -m benchmarks.swap_window [--engines vllm sglang] [--sizes 25M 60M 100M 160M 350M] [--updates 5]
                                      [--swap-paths auto inplace arena shadow reload] [--no-restart]
+                                     [--changed 0.02 | --changed 0.001 0.005 0.02 0.1]
 
 For each engine and size: a server follows a store while a trainer publishes RL-sized updates
-(2% of elements moved by 1-3 ULP); delta-swap's window is the server's pause + swap + resume time
-of each update. In the same server the engine then reloads the same weights itself (vLLM:
+(``--changed``: the fraction of elements moved by 1-3 ULP per step, 2% by default); delta-swap's
+window is the server's pause + swap + resume time of each update. Several fractions make a sweep
+in one server (a row per fraction, ``--updates`` each): on the in-place path the window grows with
+the changed elements, not with the model; the status's staged elements are recorded per update. In the same server the engine then reloads the same weights itself (vLLM:
 ``reload_weights`` from a folder, its layerwise reload; SGLang: ``update_weights_from_disk``),
 which blocks generation for its whole duration. Last, a fresh server is started on the model.
 Each ``--swap-paths`` entry is a server of its own (``Settings.swap_path``; the status says which
@@ -24,6 +27,7 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.harness import (
@@ -45,44 +49,65 @@ WINDOW_PHASES = ("pause", "swap", "resume")
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
-def measure(engine: str, size: str, work: Path, updates: int, swap_path: str = "auto", restart: bool = True) -> dict:
+def measure(
+    engine: str,
+    size: str,
+    work: Path,
+    updates: int,
+    swap_path: str = "auto",
+    restart: bool = True,
+    changed: Sequence[float] = (0.02,),
+) -> list[dict]:
+    """One server of ``engine`` on a ``size`` model: ``updates`` RL-sized updates at each fraction
+    of ``changed`` (a row each), then the engine's own reload of the same weights (shared by the
+    rows) and, if asked, a restart."""
     model = make_model(work / "models", size)
     run = work / f"{engine}-{size}-{swap_path}"
     trainer = Trainer(model, run / "store")
-    rows: dict = {
-        "engine": engine,
-        "size": size,
-        "asked": swap_path,
-        "model_bytes": model_bytes(model),
-        "updates": [],
-    }
+    rows: list[dict] = []
     try:
         with engine_server(
             engine, model, run / "server", store=run / "store", settings={"swap_path": swap_path}
         ) as server:
             wait_ready(server.url)
-            for _ in range(updates):
-                trainer.advance()  # the synthetic training step is not part of the latency
-                start = time.perf_counter()
-                publish_s = trainer.publish_current()
-                st = wait_step(server.url, trainer.step)
-                timings = st["last_update_timings_s"]
-                rows["updates"].append(
-                    {
-                        "window_s": sum(timings.get(p, 0.0) for p in WINDOW_PHASES),
-                        "publish_s": publish_s,
-                        "publish_to_serving_s": time.perf_counter() - start,
-                        "timings": timings,
-                    }
-                )
-            rows["swap_path"] = status(server.url).get("swap_path")
-            rows["swap_path_reason"] = status(server.url).get("swap_path_reason")
+            for fraction in changed:
+                trainer.fraction = fraction
+                row: dict = {
+                    "engine": engine,
+                    "size": size,
+                    "asked": swap_path,
+                    "changed": fraction,
+                    "model_bytes": model_bytes(model),
+                    "updates": [],
+                }
+                for _ in range(updates):
+                    trainer.advance()  # the synthetic training step is not part of the latency
+                    start = time.perf_counter()
+                    publish_s = trainer.publish_current()
+                    st = wait_step(server.url, trainer.step)
+                    timings = st["last_update_timings_s"]
+                    row["updates"].append(
+                        {
+                            "window_s": sum(timings.get(p, 0.0) for p in WINDOW_PHASES),
+                            "publish_s": publish_s,
+                            "publish_to_serving_s": time.perf_counter() - start,
+                            "timings": timings,
+                            "staged": (st.get("last_staged") or {}).get("elements"),
+                        }
+                    )
+                rows.append(row)
+            st = status(server.url)
             folder = trainer.write_checkpoint(run / "checkpoint")
-            version = status(server.url)["current_snapshot_id"]
-            rows["reload_s"] = [engine_reload(engine, server.url, folder, version) for _ in range(updates)]
+            reload_s = [engine_reload(engine, server.url, folder, st["current_snapshot_id"]) for _ in range(updates)]
+            for row in rows:
+                row.update(
+                    swap_path=st.get("swap_path"), swap_path_reason=st.get("swap_path_reason"), reload_s=reload_s
+                )
     finally:
         trainer.close()
-    rows["restart_s"] = restart_time(engine, model, run / "restart") if restart else None
+    restart_s = restart_time(engine, model, run / "restart") if restart else None
+    for row in rows:
+        row["restart_s"] = restart_s
     return rows
 
 
@@ -92,7 +117,7 @@ def _median_phase(r: dict, phase: str) -> float:
 
 def summarize(rows: list[dict]) -> list[str]:
     lines = [
-        f"{'engine':<7} {'size':>5} {'model MB':>9} {'asked':>7} {'path':>7} {'stage ms':>9} {'pause':>6} "
+        f"{'engine':<7} {'size':>5} {'model MB':>9} {'changed':>7} {'asked':>7} {'path':>7} {'stage ms':>9} {'pause':>6} "
         f"{'swap':>7} {'resume':>6} {'window ms':>10} {'engine reload ms':>17} {'ratio':>6} {'restart s':>10} "
         f"{'publish->serving s':>19}"
     ]
@@ -103,7 +128,8 @@ def summarize(rows: list[dict]) -> list[str]:
         restart = "-" if r.get("restart_s") is None else f"{r['restart_s']:.1f}"
         phases = [1000 * _median_phase(r, p) for p in ("stage", "pause", "swap", "resume")]
         lines.append(
-            f"{r['engine']:<7} {r['size']:>5} {r['model_bytes'] / 1e6:>9.0f} {r.get('asked', 'auto'):>7} "
+            f"{r['engine']:<7} {r['size']:>5} {r['model_bytes'] / 1e6:>9.0f} {r.get('changed', 0.02):>7.1%} "
+            f"{r.get('asked', 'auto'):>7} "
             f"{r.get('swap_path') or '-':>7} {phases[0]:>9.1f} {phases[1]:>6.1f} {phases[2]:>7.1f} {phases[3]:>6.1f} "
             f"{1000 * window:>10.1f} {1000 * reload:>17.1f} {window / reload:>6.3f} {restart:>10} {latency:>19.2f}"
         )
@@ -155,6 +181,44 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def plot_sweep(rows: list[dict], path: Path) -> None:
+    """The window against the fraction of elements that change, a line per engine, size and path,
+    with the engine's own reload of the same server as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    styles = iter(["o-", "D-", "v-", "P-", "s-", "^-"] * 4)
+    for key in sorted({(r["engine"], r["size"], r.get("asked", "auto")) for r in rows}):
+        mine = sorted(
+            (r for r in rows if (r["engine"], r["size"], r.get("asked", "auto")) == key), key=lambda r: r["changed"]
+        )
+        x = [100 * r["changed"] for r in mine]
+        label = f"{key[0]} {mine[0]['model_bytes'] / 1e6:.0f} MB, {mine[0].get('swap_path')} path"
+        line = ax.plot(
+            x, [statistics.median(u["window_s"] for u in r["updates"]) for r in mine], next(styles), label=label
+        )
+        ax.axhline(
+            statistics.median(mine[0]["reload_s"]),
+            ls="--",
+            color=line[0].get_color(),
+            alpha=0.7,
+            label=f"{key[0]} {mine[0]['model_bytes'] / 1e6:.0f} MB: engine's own reload",
+        )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("elements changed per step (%)")
+    ax.set_ylabel("seconds without generation per update")
+    where = "CPU, 2 cores" if device() == "cpu" else "one GPU"
+    ax.set_title(f"No-generation window against the changed fraction ({where})", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", nargs="+", default=["vllm", "sglang"], choices=["vllm", "sglang"])
@@ -168,6 +232,9 @@ def main() -> None:
         help="one server each",
     )
     parser.add_argument("--no-restart", action="store_true", help="skip timing a fresh server's start")
+    parser.add_argument(
+        "--changed", nargs="+", type=float, default=[0.02], help="fractions of elements each step moves (a sweep)"
+    )
     parser.add_argument("--workdir", help="models and stores (default: a temp dir; models are cached there)")
     parser.add_argument("--json", default=str(DOCS / "swap_window.json"))
     parser.add_argument("--plot", default=str(DOCS / "swap_window.png"))
@@ -179,12 +246,13 @@ def main() -> None:
     for engine in args.engines:
         for size in args.sizes:
             for swap_path in args.swap_paths:
-                rows.append(measure(engine, size, work, args.updates, swap_path, restart=not args.no_restart))
-                print("\n".join(summarize(rows[-1:])[1:]), f"({rows[-1].get('swap_path_reason')})", flush=True)
+                mine = measure(engine, size, work, args.updates, swap_path, not args.no_restart, args.changed)
+                rows.extend(mine)
+                print("\n".join(summarize(mine)[1:]), f"({mine[-1].get('swap_path_reason')})", flush=True)
     print(f"CPU: {cpu_flags()}; device: {device()}")
     print("\n".join(summarize(rows)))
     Path(args.json).write_text(json.dumps(rows, indent=1))
-    plot(rows, Path(args.plot))
+    (plot_sweep if len(args.changed) > 1 else plot)(rows, Path(args.plot))
     print(f"wrote {args.plot} and {args.json}")
 
 
