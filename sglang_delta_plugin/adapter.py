@@ -113,6 +113,8 @@ class SglangAdapter(EngineAdapter):
         #: What the schedulers staged for the last in-place swap ({"elements", "bytes", "seconds"}).
         self.last_staged: dict[str, Any] | None = None
         self._described = False
+        #: Why this engine takes no update at all (its weights cannot be loaded exactly), if so.
+        self.refused: str | None = None
         #: Why this server swaps the way it does (shown in the status).
         self.path_reason: str | None = None
         #: Which loads are read back (verify_swaps), how many were, and what the last one checked.
@@ -125,7 +127,9 @@ class SglangAdapter(EngineAdapter):
 
     async def describe(self) -> dict[str, Any]:
         return {
-            "swap_path": "arena"
+            "swap_path": "refused"
+            if self.refused
+            else "arena"
             if self.arenas
             else "inplace"
             if self.inplace
@@ -147,6 +151,7 @@ class SglangAdapter(EngineAdapter):
             except (OSError, ValueError):
                 doc = {"layout": None, "reason": "the scheduler wrote no layout"}
             self.path_reason = doc.get("reason") or ("parameters are plain host tensors" if doc["layout"] else None)
+            self.refused = doc.get("refuse")
             self._packed = doc.get("packed")
             if doc.get("inplace"):
                 self.inplace, self.path_reason = _every_rank_inplace(doc, layout_file or "", self.tp_size)
@@ -155,8 +160,10 @@ class SglangAdapter(EngineAdapter):
             elif doc["layout"]:
                 self.arenas, why_not = await asyncio.to_thread(ArenaPair.open, self.settings.staging_dir, doc["layout"])
                 self.path_reason = why_not or self.path_reason
-            else:
+            elif not self.refused:
                 log.info("delta_swap: loading changed tensors on each swap (%s)", doc.get("reason"))
+        if self.refused:  # before a byte is fetched: the engine keeps serving what it serves
+            raise EngineError(f"sglang: {self.refused}")
         return await asyncio.to_thread(self.arenas.spare_for, specs) if self.arenas else None
 
     async def stage(self, update: WeightUpdate) -> Bucket | Arena | InplaceFile | None:

@@ -74,6 +74,9 @@ def describe_after_init(result: Any, scheduler: Any, server_args: Any, *args: An
                 reason = f"{reason}; {'changed elements written in place' if inplace else why}"
     except Exception as exc:  # never break the scheduler's start
         layout, inplace, reason = None, False, f"describing the parameters failed: {type(exc).__name__}: {exc}"
+    refuse = amx_packed(scheduler)
+    if refuse:
+        layout, inplace, reason = None, False, refuse
     if layout is not None:
         from delta_swap.torch_params import ArenaMappings
 
@@ -83,9 +86,31 @@ def describe_after_init(result: Any, scheduler: Any, server_args: Any, *args: An
         inplace, reason = _open_channel(model, packed or {}, rank, reason)
     try:
         doc = {"layout": layout and layout.to_json(), "reason": reason, "packed": packed, "inplace": inplace}
+        if refuse:
+            doc["refuse"] = refuse
         Path(output if rank == 0 else f"{output}.{rank}").write_text(json.dumps(doc))
     except OSError:  # a full staging folder: the HTTP server then takes the tensor path
         log.exception("delta_swap: cannot write the parameter layout to %s", output)
+
+
+def amx_packed(scheduler: Any) -> str | None:
+    """Why no update can be loaded exactly into this model (None: it can): SGLang's AMX backend
+    (CPUs with AMX and SGLang's CPU kernels) packed some modules' weights after loading, and SGLang
+    0.5.23 cannot unpack them (``restore_weights_before_loading`` skips AMX packing) while its
+    ``end_weight_update`` runs every module's post-load processing again, which packs packed
+    weights a second time. Unverified on a real AMX build (this project's environment has no CPU
+    build of SGLang's kernels): refused rather than risk serving wrong weights."""
+    try:
+        model = scheduler.tp_worker.model_runner.model
+        packed = [path for path, m in model.named_modules() if getattr(m, "use_intel_amx_backend", False) is True]
+    except Exception:  # a scheduler without a model runner: nothing to refuse here
+        return None
+    if not packed:
+        return None
+    return (
+        f"SGLang's AMX backend packed the weights of {len(packed)} modules ({packed[0]}...) and re-packs every "
+        "module after each weight update: delta-swap refuses updates here rather than serve wrong weights"
+    )
 
 
 def _inplace_possible(model: Any, server_args: Any, packed: dict[str, list[str]]) -> tuple[bool, str]:

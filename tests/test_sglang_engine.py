@@ -247,7 +247,7 @@ def test_the_plugin_adds_its_flags_to_sglangs_parser(sglang_python, shim_log) ->
 
 def test_swaps_are_transactional_against_a_scripted_engine(sglang_python) -> None:
     """Refused loads roll back, misfits never reach SGLang, wait mode aborts after its timeout and
-    always releases the lock (tests/support/sglang_adapter_probe.py: the core's apply_update and the
+    always releases the lock, weights SGLang's AMX backend packed refuse every update (tests/support/sglang_adapter_probe.py: the core's apply_update and the
     real adapter with SGLang's real types, no server)."""
     out = subprocess.run(
         [sglang_python, str(ROOT / "tests" / "support" / "sglang_adapter_probe.py")],
@@ -266,6 +266,7 @@ def test_swaps_are_transactional_against_a_scripted_engine(sglang_python) -> Non
         "wait gives up on a stuck request",
         "wait keeps the lock granted mid-swap",
         "version only",
+        "amx refused",
     ], out.stdout
 
 

@@ -254,6 +254,43 @@ async def main() -> None:
     check(tm.calls == ["pause:retract", "version:s5", "continue"], f"{tm.calls}")
     print("ok: version only")
 
+    # SGLang's AMX backend packed some modules (a real AMX build; faked here): the scheduler's
+    # hook says so, and the adapter refuses every update before a byte is fetched.
+    await amx_packed_weights_are_refused()
+    print("ok: amx refused")
+
+
+async def amx_packed_weights_are_refused() -> None:
+    import os
+    import tempfile
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import torch
+
+    from sglang_delta_plugin import engine_ops
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    scheduler = SimpleNamespace(tp_worker=SimpleNamespace(model_runner=SimpleNamespace(model=model)))
+    check(engine_ops.amx_packed(scheduler) is None, "plain weights are not refused")
+    model[1].use_intel_amx_backend = True
+    with tempfile.TemporaryDirectory() as tmp:
+        layout = Path(tmp) / "layout.json"
+        os.environ[engine_ops.LAYOUT_FILE_ENV] = str(layout)
+        server_args = SimpleNamespace(custom_weight_loader=[engine_ops.LOADER], tp_size=1, model_path=tmp)
+        engine_ops.describe_after_init(None, scheduler, server_args)
+        tm = FakeTokenizerManager([])
+        adapter = SglangAdapter(tm, ServedModel("/nonexistent", LAYOUT), Settings(store="file:///unused"))
+        try:
+            await adapter.destination({})
+            check(False, "an update into AMX-packed weights must be refused")
+        except EngineError as exc:
+            check("AMX backend packed the weights of 1 modules (1...)" in str(exc), str(exc))
+        described = await adapter.describe()
+        check(described["swap_path"] == "refused" and "re-packs" in described["swap_path_reason"], f"{described}")
+        check(tm.calls == [], f"a refused update touched the engine: {tm.calls}")
+        del os.environ[engine_ops.LAYOUT_FILE_ENV]
+
 
 if __name__ == "__main__":
     try:
