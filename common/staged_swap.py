@@ -32,9 +32,6 @@ from .shadow import ShadowBuild, ShadowEngine, ShadowUnsupported, build_shadows
 
 log = logging.getLogger("delta_swap")
 
-#: How often an adapter asks the engine's processes whether they have staged an update.
-STAGE_POLL_S = 0.01
-
 #: What a model's loaders run under (vLLM: its current config), entered on the staging thread.
 LoadContext = Callable[[], AbstractContextManager[Any]]
 

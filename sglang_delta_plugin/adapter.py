@@ -41,7 +41,6 @@ import json
 import logging
 import os
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,10 +49,10 @@ from delta_swap.arena import Arena, ArenaPair
 from delta_swap.engine_adapter import EngineAdapter, WeightUpdate
 from delta_swap.errors import EngineError
 from delta_swap.module_groups import tensors_of_modules
-from delta_swap.safetensors_io import write_safetensors
 from delta_swap.served_model import ServedModel
 from delta_swap.settings import DrainPolicy, Settings
-from delta_swap.staged_swap import STAGE_POLL_S, injected_swap_failure, merge_staged
+from delta_swap.staged_swap import injected_swap_failure, merge_staged
+from delta_swap.staging_files import staging_file, until_staged, write_tensors
 from delta_swap.tensors import StateDict, TensorSpecs
 from delta_swap.verify_budget import VerifyBudget
 
@@ -182,37 +181,24 @@ class SglangAdapter(EngineAdapter):
     def _write_check_file(self, update: WeightUpdate) -> str:
         """What the read-back compares with: every tensor of the modules the update loads into
         (and, for a tied embedding, the module sharing it reads the same file)."""
-        names = tensors_of_modules(update.names, update.state, self._packed or DEFAULT_PACKED)
-        path = os.path.join(
-            self.settings.staging_dir, f"delta-swap-check-{os.getpid()}-{uuid.uuid4().hex[:8]}.safetensors"
+        path = staging_file(self.settings.staging_dir, "check")
+        write_tensors(
+            path, update.state, tensors_of_modules(update.names, update.state, self._packed or DEFAULT_PACKED)
         )
-        with open(path, "wb") as fh:
-            write_safetensors(fh, [(n, update.state[n]) for n in names])
         return path
 
     async def _stage_inplace(self, update: WeightUpdate) -> InplaceFile:
         """Write the changed tensors to a file and have every rank's scheduler work out, while
         SGLang generates, which elements of its parameters they change; wait until all have."""
         names = sorted(update.names)
-        path = os.path.join(
-            self.settings.staging_dir, f"delta-swap-{os.getpid()}-{update.version}-{uuid.uuid4().hex[:8]}.safetensors"
-        )
-
-        def write() -> None:
-            with open(path, "wb") as fh:
-                write_safetensors(fh, [(n, update.state[n]) for n in names])
-
-        await asyncio.to_thread(write)
+        path = staging_file(self.settings.staging_dir, f"update-{update.version}")
+        await asyncio.to_thread(write_tensors, path, update.state, names)
         staged = InplaceFile(path, None)
         try:
             if self.verify_budget.due():
                 staged = InplaceFile(path, await asyncio.to_thread(self._write_check_file, update))
             await self._on_ranks({"op": "stage_inplace", "path": path, "names": names})
-            while True:
-                answers = await self._on_ranks({"op": "stage_wait"})
-                if all(a["done"] for a in answers):
-                    break
-                await asyncio.sleep(STAGE_POLL_S)
+            answers = await until_staged(lambda: self._on_ranks({"op": "stage_wait"}))
         except BaseException:
             await self.unstage(staged)
             raise
@@ -381,7 +367,13 @@ class SglangAdapter(EngineAdapter):
         if not outcome.get("ok"):
             raise EngineError(f"sglang: the in-place swap failed and was undone: {outcome.get('error')}")
         check_s = self._record_verification(outcome) if staged.check_path else None
-        log.info("delta_swap: wrote the changed elements of %d tensors as %s", len(update.names), version)
+        log.info(
+            "delta_swap: wrote the changed elements of %d tensors as %s (%.1f ms in the scheduler, %.1f ms in all)",
+            len(update.names),
+            version,
+            1000 * float(outcome.get("seconds", 0.0)),
+            1000 * (time.perf_counter() - started),
+        )
         self.verify_budget.record(time.perf_counter() - started - (check_s or 0.0), check_s)
 
     async def _commit(self, arena: Arena, version: str) -> None:
@@ -398,7 +390,7 @@ class SglangAdapter(EngineAdapter):
         import torch
         from sglang.srt.utils import MultiprocessingSerializer
 
-        result = Path(self.settings.staging_dir) / f"delta-swap-result-{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
+        result = Path(staging_file(self.settings.staging_dir, "result", ".json"))
         name = json.dumps({**op, "result": str(result)})
         files = [result] + [Path(f"{result}.{rank}") for rank in range(1, self.tp_size)]
         try:

@@ -172,3 +172,32 @@ async def test_an_injected_swap_failure_spares_the_rollback(tmp_path: Path, monk
     assert await injected_swap_failure("step-2", served) == 1
     assert await injected_swap_failure("step-1", served) == -1  # back to what is served: a rollback
     assert await injected_swap_failure(None, served) == 1
+
+
+def test_the_adapters_staged_file_holds_the_named_tensors_and_is_read_back_by_the_engine(tmp_path: Path) -> None:
+    import numpy as np
+
+    from delta_swap.staging_files import staging_file, write_tensors
+    from delta_swap.tensors import HostTensor
+
+    state = {
+        n: HostTensor("F32", (2,), np.frombuffer(np.array([i, i], np.float32).tobytes(), np.uint8))
+        for i, n in enumerate("abc")
+    }
+    first, second = staging_file(str(tmp_path), "update-s1"), staging_file(str(tmp_path), "update-s1")
+    assert first != second and Path(first).name.startswith("delta-swap-update-s1-") and first.endswith(".safetensors")
+    write_tensors(first, state, ["c", "a"])
+    assert [(n, t.tolist()) for n, t in read_staged(first)] == [("a", [0.0, 0.0]), ("c", [2.0, 2.0])]
+
+
+async def test_the_adapter_waits_until_every_process_has_staged() -> None:
+    from delta_swap.staging_files import until_staged
+
+    asked = []
+
+    async def ask() -> list[dict]:
+        asked.append(1)
+        return [{"done": True}, {"done": len(asked) >= 3, "elements": 5}]
+
+    answers = await until_staged(ask)
+    assert len(asked) == 3 and answers[1] == {"done": True, "elements": 5}

@@ -36,7 +36,6 @@ import logging
 import os
 import re
 import time
-import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,16 +47,10 @@ from delta_swap.arena import Arena, ArenaPair
 from delta_swap.engine_adapter import EngineAdapter, WeightUpdate
 from delta_swap.errors import EngineError
 from delta_swap.module_groups import complete_modules, module_groups, tensors_of_modules
-from delta_swap.safetensors_io import write_safetensors
 from delta_swap.served_model import ServedModel
 from delta_swap.settings import DrainPolicy, Settings, SwapPath
-from delta_swap.staged_swap import (
-    FAIL_BUILD_ENV,
-    STAGE_POLL_S,
-    injected_failure,
-    injected_swap_failure,
-    merge_staged,
-)
+from delta_swap.staged_swap import FAIL_BUILD_ENV, injected_failure, injected_swap_failure, merge_staged
+from delta_swap.staging_files import staging_file, until_staged, write_tensors
 from delta_swap.tensors import StateDict, TensorSpecs
 from delta_swap.verify_budget import VerifyBudget
 
@@ -204,7 +197,7 @@ class VllmAdapter(EngineAdapter):
     async def destination(self, specs: TensorSpecs) -> StateDict | None:
         if not self._described:
             self._described = True
-            output = Path(self.settings.staging_dir) / f"delta-swap-layout-{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
+            output = Path(staging_file(self.settings.staging_dir, "layout", ".json"))
             try:
                 await self._call({"op": "describe", "output": str(output)})
             finally:
@@ -248,9 +241,7 @@ class VllmAdapter(EngineAdapter):
             names = sorted(update.state)
         else:
             names = sorted(complete_modules(update.names, self._groups, self.packed) & update.state.keys())
-        path = os.path.join(
-            self.settings.staging_dir, f"delta-swap-{os.getpid()}-{update.version}-{uuid.uuid4().hex[:8]}.safetensors"
-        )
+        path = staging_file(self.settings.staging_dir, f"update-{update.version}")
 
         # What the verification compares with: whole modules, computed apart from the completion above
         # (so a completion that missed a tensor is caught); the same file whenever they agree.
@@ -261,8 +252,7 @@ class VllmAdapter(EngineAdapter):
 
         def write() -> None:
             for file, tensors in {path: names, check_path: check}.items():
-                with open(file, "wb") as fh:
-                    write_safetensors(fh, [(n, update.state[n]) for n in tensors])
+                write_tensors(file, update.state, tensors)
 
         await asyncio.to_thread(write)
         staged = StagedFile(path, names, check_path, check, verify, inplace=self.inplace, shadow=self.shadow)
@@ -286,14 +276,15 @@ class VllmAdapter(EngineAdapter):
         fail_after = injected_failure(FAIL_BUILD_ENV) if op == "stage_shadow" else -1
         await self._call({"op": op, "path": path, "names": names, "fail_after": fail_after})
         output = path + ".staged.json"
-        while True:
+
+        async def ask() -> list[dict[str, Any]]:
             try:
                 await self._call({"op": "stage_wait", "output": output})
             finally:
                 answers = read_worker_results(output)  # raises a worker's error
-            if answers and all(a["done"] for a in answers):
-                break
-            await asyncio.sleep(STAGE_POLL_S)
+            return answers
+
+        answers = await until_staged(ask)
         self.last_staged = merge_staged(answers)
         if "fallback" in self.last_staged:
             log.info("delta_swap: reloading this update: %s", self.last_staged["fallback"])

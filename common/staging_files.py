@@ -1,0 +1,45 @@
+"""The adapter's half of staging, for any engine: the files it hands to the engine's processes,
+and the wait until every process has staged what they hold.
+
+An adapter writes an update's tensors (or the tensors a read-back compares with) to a
+safetensors file of its own in the staging folder (:func:`staging_file`, :func:`write_tensors`);
+the engine's processes read it (:func:`delta_swap.staged_swap.read_staged`) and stage on a thread
+of their own; :func:`until_staged` asks them whether they are done until all are, without
+blocking the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from .safetensors_io import write_safetensors
+from .tensors import HostTensor
+
+#: How often an adapter asks the engine's processes whether they have staged an update.
+STAGE_POLL_S = 0.01
+
+
+def staging_file(staging_dir: str, kind: str, suffix: str = ".safetensors") -> str:
+    """A new path in ``staging_dir`` for one file of ``kind`` (``update``, ``check``...), unique to
+    this process and call."""
+    return os.path.join(staging_dir, f"delta-swap-{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}{suffix}")
+
+
+def write_tensors(path: str, state: Mapping[str, HostTensor], names: Iterable[str]) -> None:
+    """Write the tensors ``names`` of ``state`` to the safetensors file ``path``."""
+    with open(path, "wb") as fh:
+        write_safetensors(fh, [(name, state[name]) for name in names])
+
+
+async def until_staged(ask: Callable[[], Awaitable[Sequence[Mapping[str, Any]]]]) -> list[Mapping[str, Any]]:
+    """Call ``ask`` (every process's :meth:`~delta_swap.staged_swap.StagedSwap.answer`) every
+    :data:`STAGE_POLL_S` until every answer is ``done``; the last answers."""
+    while True:
+        answers = list(await ask())
+        if answers and all(a["done"] for a in answers):
+            return answers
+        await asyncio.sleep(STAGE_POLL_S)
