@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import signal
 import statistics
 import tempfile
 import time
@@ -43,6 +45,7 @@ from benchmarks.harness import (
     wait_step,
 )
 from benchmarks.machine import cpu_flags
+from benchmarks.netlab import exit_on_signal
 from examples.servers.process import device
 
 WINDOW_PHASES = ("pause", "swap", "resume")
@@ -63,6 +66,7 @@ def measure(
     rows) and, if asked, a restart."""
     model = make_model(work / "models", size)
     run = work / f"{engine}-{size}-{swap_path}"
+    shutil.rmtree(run / "server", ignore_errors=True)  # a fresh server: it would refuse a new run's base
     trainer = Trainer(model, run / "store")
     rows: list[dict] = []
     try:
@@ -239,6 +243,8 @@ def main() -> None:
     parser.add_argument("--json", default=str(DOCS / "swap_window.json"))
     parser.add_argument("--plot", default=str(DOCS / "swap_window.png"))
     args = parser.parse_args()
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # killed: the servers' context managers stop them
+        signal.signal(sig, exit_on_signal)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="delta-swap-window-"))
     rows = []
     print(f"CPU: {cpu_flags()}; device: {device()}", flush=True)
