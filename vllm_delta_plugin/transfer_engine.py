@@ -172,9 +172,7 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             )
             if inplace:
                 reason = f"{reason}; changed elements written in place"
-                write_worker_result(
-                    output, {"layout": None, "reason": reason, "packed": self._packed, "inplace": True}
-                )
+                write_worker_result(output, {"layout": None, "reason": reason, "packed": self._packed, "inplace": True})
                 return
             reason = f"{reason}; {why}"
         shadow = False
