@@ -170,19 +170,25 @@ def engine_server(
     settings: dict | None = None,
     kv_cache_gib: int = 2,
     wait: bool = True,
+    tp: int = 1,
 ) -> Iterator[Server]:
-    """One engine server on ``model``; with ``store``, the plugin follows it (``settings`` added).
-    Without ``wait`` it is yielded as soon as it is launched (call ``wait_healthy``)."""
+    """One engine server on ``model`` (``tp`` tensor-parallel ranks, one core each on a CPU); with
+    ``store``, the plugin follows it (``settings`` added). Without ``wait`` it is yielded as soon
+    as it is launched (call ``wait_healthy``)."""
     plugin = store is not None
     options = {"store": store.as_uri(), "poll_interval": 0.2, **(settings or {})} if plugin else None
+    binding = "|".join(str(core) for core in range(tp))
     if engine == "vllm":
         env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+        if tp > 1:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = binding
         server = vllm_server.start(
             model,
             work,
             settings=options,
             plugin=plugin,
             served_name=MODEL_NAME,
+            extra=("--tensor-parallel-size", str(tp)) if tp > 1 else (),
             env=env,
             log_name=f"vllm-{time.monotonic_ns()}.log",
             timeout_s=900,
@@ -195,6 +201,8 @@ def engine_server(
             settings=options,
             plugin=plugin,
             served_name=MODEL_NAME,
+            extra=("--tp-size", str(tp)) if tp > 1 else (),
+            env={"SGLANG_CPU_OMP_THREADS_BIND": binding} if tp > 1 else None,
             log_name=f"sglang-{time.monotonic_ns()}.log",
             timeout_s=900,
             wait=wait,
@@ -247,10 +255,10 @@ def engine_reload(engine: str, url: str, folder: Path, version: str | None) -> f
     return elapsed
 
 
-def restart_time(engine: str, model: Path, work: Path) -> float:
+def restart_time(engine: str, model: Path, work: Path, tp: int = 1) -> float:
     """Seconds from starting a fresh server on ``model`` to its first healthy answer."""
     start = time.perf_counter()
-    with engine_server(engine, model, work, store=None):
+    with engine_server(engine, model, work, store=None, tp=tp):
         return time.perf_counter() - start
 
 

@@ -3,13 +3,14 @@ the engine's own full reload of the same weights, and a restart, on vLLM and SGL
 
     python -m benchmarks.swap_window [--engines vllm sglang] [--sizes 25M 60M 100M 160M 350M] [--updates 5]
                                      [--swap-paths auto inplace arena shadow reload] [--no-restart]
-                                     [--changed 0.02 | --changed 0.001 0.005 0.02 0.1]
+                                     [--changed 0.02 | --changed 0.001 0.005 0.02 0.1] [--tp 1 2]
 
-For each engine and size: a server follows a store while a trainer publishes RL-sized updates
-(``--changed``: the fraction of elements moved by 1-3 ULP per step, 2% by default); delta-swap's
-window is the server's pause + swap + resume time of each update. Several fractions make a sweep
-in one server (a row per fraction, ``--updates`` each): on the in-place path the window grows with
-the changed elements, not with the model; the status's staged elements are recorded per update. In the same server the engine then reloads the same weights itself (vLLM:
+For each engine, size, path and tensor-parallel size (``--tp``, one core per rank): a server
+follows a store while a trainer publishes RL-sized updates (``--changed``: the fraction of
+elements moved by 1-3 ULP per step, 2% by default); delta-swap's window is the server's pause +
+swap + resume time of each update. Several fractions make a sweep in one server (a row per
+fraction, ``--updates`` each): on the in-place path the window grows with the changed elements,
+not with the model; the status's staged elements are recorded per update. In the same server the engine then reloads the same weights itself (vLLM:
 ``reload_weights`` from a folder, its layerwise reload; SGLang: ``update_weights_from_disk``),
 which blocks generation for its whole duration. Last, a fresh server is started on the model.
 Each ``--swap-paths`` entry is a server of its own (``Settings.swap_path``; the status says which
@@ -60,18 +61,19 @@ def measure(
     swap_path: str = "auto",
     restart: bool = True,
     changed: Sequence[float] = (0.02,),
+    tp: int = 1,
 ) -> list[dict]:
-    """One server of ``engine`` on a ``size`` model: ``updates`` RL-sized updates at each fraction
-    of ``changed`` (a row each), then the engine's own reload of the same weights (shared by the
-    rows) and, if asked, a restart."""
+    """One server of ``engine`` on a ``size`` model at ``tp`` tensor-parallel ranks: ``updates``
+    RL-sized updates at each fraction of ``changed`` (a row each), then the engine's own reload of
+    the same weights (shared by the rows) and, if asked, a restart."""
     model = make_model(work / "models", size)
-    run = work / f"{engine}-{size}-{swap_path}"
+    run = work / f"{engine}-{size}-{swap_path}-tp{tp}"
     shutil.rmtree(run / "server", ignore_errors=True)  # a fresh server: it would refuse a new run's base
     trainer = Trainer(model, run / "store")
     rows: list[dict] = []
     try:
         with engine_server(
-            engine, model, run / "server", store=run / "store", settings={"swap_path": swap_path}
+            engine, model, run / "server", store=run / "store", settings={"swap_path": swap_path}, tp=tp
         ) as server:
             wait_ready(server.url)
             for fraction in changed:
@@ -81,6 +83,7 @@ def measure(
                     "size": size,
                     "asked": swap_path,
                     "changed": fraction,
+                    "tp": tp,
                     "model_bytes": model_bytes(model),
                     "updates": [],
                 }
@@ -109,7 +112,7 @@ def measure(
                 )
     finally:
         trainer.close()
-    restart_s = restart_time(engine, model, run / "restart") if restart else None
+    restart_s = restart_time(engine, model, run / "restart", tp) if restart else None
     for row in rows:
         row["restart_s"] = restart_s
     return rows
@@ -121,7 +124,7 @@ def _median_phase(r: dict, phase: str) -> float:
 
 def summarize(rows: list[dict]) -> list[str]:
     lines = [
-        f"{'engine':<7} {'size':>5} {'model MB':>9} {'changed':>7} {'asked':>7} {'path':>7} {'stage ms':>9} {'pause':>6} "
+        f"{'engine':<7} {'size':>5} {'model MB':>9} {'TP':>2} {'changed':>7} {'asked':>7} {'path':>7} {'stage ms':>9} {'pause':>6} "
         f"{'swap':>7} {'resume':>6} {'window ms':>10} {'engine reload ms':>17} {'ratio':>6} {'restart s':>10} "
         f"{'publish->serving s':>19}"
     ]
@@ -132,7 +135,8 @@ def summarize(rows: list[dict]) -> list[str]:
         restart = "-" if r.get("restart_s") is None else f"{r['restart_s']:.1f}"
         phases = [1000 * _median_phase(r, p) for p in ("stage", "pause", "swap", "resume")]
         lines.append(
-            f"{r['engine']:<7} {r['size']:>5} {r['model_bytes'] / 1e6:>9.0f} {r.get('changed', 0.02):>7.1%} "
+            f"{r['engine']:<7} {r['size']:>5} {r['model_bytes'] / 1e6:>9.0f} {r.get('tp', 1):>2} "
+            f"{r.get('changed', 0.02):>7.1%} "
             f"{r.get('asked', 'auto'):>7} "
             f"{r.get('swap_path') or '-':>7} {phases[0]:>9.1f} {phases[1]:>6.1f} {phases[2]:>7.1f} {phases[3]:>6.1f} "
             f"{1000 * window:>10.1f} {1000 * reload:>17.1f} {window / reload:>6.3f} {restart:>10} {latency:>19.2f}"
@@ -149,11 +153,12 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     colors = {"vllm": "tab:blue", "sglang": "tab:orange"}
     styles = iter(["o-", "D-", "v-", "P-"] * 4)
-    for engine, asked in sorted({(r["engine"], r.get("asked", "auto")) for r in rows}):
+    for engine, asked, tp in sorted({(r["engine"], r.get("asked", "auto"), r.get("tp", 1)) for r in rows}):
         mine = sorted(
-            (r for r in rows if r["engine"] == engine and r.get("asked", "auto") == asked),
+            (r for r in rows if (r["engine"], r.get("asked", "auto"), r.get("tp", 1)) == (engine, asked, tp)),
             key=lambda r: r["model_bytes"],
         )
+        taken_at = f" TP {tp}" if tp > 1 else ""
         taken = "/".join(sorted({str(r.get("swap_path")) for r in mine}))
         x = [r["model_bytes"] / 1e6 for r in mine]
         ax.plot(
@@ -161,14 +166,14 @@ def plot(rows: list[dict], path: Path) -> None:
             [statistics.median(u["window_s"] for u in r["updates"]) for r in mine],
             next(styles),
             color=colors[engine],
-            label=f"{engine}: delta-swap, {taken} path (pause + swap)",
+            label=f"{engine}{taken_at}: delta-swap, {taken} path (pause + swap)",
         )
         ax.plot(
             x,
             [statistics.median(r["reload_s"]) for r in mine],
             "s--",
             color=colors[engine],
-            label=f"{engine}: engine's own reload ({taken} server)",
+            label=f"{engine}{taken_at}: engine's own reload ({taken} server)",
         )
         restarts = [(xi, r["restart_s"]) for xi, r in zip(x, mine, strict=True) if r.get("restart_s") is not None]
         if restarts:
@@ -195,12 +200,15 @@ def plot_sweep(rows: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     styles = iter(["o-", "D-", "v-", "P-", "s-", "^-"] * 4)
-    for key in sorted({(r["engine"], r["size"], r.get("asked", "auto")) for r in rows}):
-        mine = sorted(
-            (r for r in rows if (r["engine"], r["size"], r.get("asked", "auto")) == key), key=lambda r: r["changed"]
-        )
+
+    def key(r: dict) -> tuple:
+        return r["engine"], r["size"], r.get("asked", "auto"), r.get("tp", 1)
+
+    for which in sorted({key(r) for r in rows}):
+        mine = sorted((r for r in rows if key(r) == which), key=lambda r: r["changed"])
         x = [100 * r["changed"] for r in mine]
-        label = f"{key[0]} {mine[0]['model_bytes'] / 1e6:.0f} MB, {mine[0].get('swap_path')} path"
+        at = f" TP {which[3]}" if which[3] > 1 else ""
+        label = f"{which[0]}{at} {mine[0]['model_bytes'] / 1e6:.0f} MB, {mine[0].get('swap_path')} path"
         line = ax.plot(
             x, [statistics.median(u["window_s"] for u in r["updates"]) for r in mine], next(styles), label=label
         )
@@ -209,7 +217,7 @@ def plot_sweep(rows: list[dict], path: Path) -> None:
             ls="--",
             color=line[0].get_color(),
             alpha=0.7,
-            label=f"{key[0]} {mine[0]['model_bytes'] / 1e6:.0f} MB: engine's own reload",
+            label=f"{which[0]}{at} {mine[0]['model_bytes'] / 1e6:.0f} MB: engine's own reload",
         )
     ax.set_xscale("log")
     ax.set_yscale("log")
@@ -236,6 +244,7 @@ def main() -> None:
         help="one server each",
     )
     parser.add_argument("--no-restart", action="store_true", help="skip timing a fresh server's start")
+    parser.add_argument("--tp", nargs="+", type=int, default=[1], help="tensor-parallel sizes (one core per rank)")
     parser.add_argument(
         "--changed", nargs="+", type=float, default=[0.02], help="fractions of elements each step moves (a sweep)"
     )
@@ -252,9 +261,10 @@ def main() -> None:
     for engine in args.engines:
         for size in args.sizes:
             for swap_path in args.swap_paths:
-                mine = measure(engine, size, work, args.updates, swap_path, not args.no_restart, args.changed)
-                rows.extend(mine)
-                print("\n".join(summarize(mine)[1:]), f"({mine[-1].get('swap_path_reason')})", flush=True)
+                for tp in args.tp:
+                    mine = measure(engine, size, work, args.updates, swap_path, not args.no_restart, args.changed, tp)
+                    rows.extend(mine)
+                    print("\n".join(summarize(mine)[1:]), f"({mine[-1].get('swap_path_reason')})", flush=True)
     print(f"CPU: {cpu_flags()}; device: {device()}")
     print("\n".join(summarize(rows)))
     Path(args.json).write_text(json.dumps(rows, indent=1))

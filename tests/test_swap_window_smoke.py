@@ -58,7 +58,7 @@ def test_the_table_and_the_plot(row, tmp_path) -> None:
     assert (
         "window" in header
         and "stage" in header
-        and line.split()[:6] == ["vllm", "3M", line.split()[2], "2.0%", "inplace", "inplace"]
+        and line.split()[:7] == ["vllm", "3M", line.split()[2], "1", "2.0%", "inplace", "inplace"]
     )
     assert swap_window.cpu_flags().count("=") == 2
     swap_window.plot([row], tmp_path / "window.png")
