@@ -63,7 +63,7 @@ class TestQwen3TiedReload(VllmExactness):
     family, swap_path = "qwen3", "reload"
 
 
-@pytest.mark.full_matrix("MoE experts reloaded: TestQwen3MoeShadow (an expert update takes the reload path there)")
+@pytest.mark.full_matrix("MoE experts reloaded: TestQwen2MoeReload")
 class TestQwen3MoeReload(VllmExactness):
     family, swap_path = "qwen3_moe", "reload"
 
@@ -88,14 +88,14 @@ class TensorParallel2(VllmExactness):
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 
 
-@pytest.mark.full_matrix("TP 2: TestQwen3MoeShadowTP2 (its expert updates reload), TestQwen3TiedAutoTP2")
+@pytest.mark.full_matrix("TP 2: TestQwen3MoeShadowTP2, TestQwen3TiedAutoTP2")
 class TestQwen3TiedReloadTP2(TensorParallel2):
     """Every tensor-parallel rank reloads its shard."""
 
     family, swap_path = "qwen3", "reload"
 
 
-@pytest.mark.full_matrix("MoE experts reloaded at TP 2: TestQwen3MoeShadowTP2")
+@pytest.mark.full_matrix("MoE experts at TP 2: TestQwen3MoeShadowTP2 (each rank's shard of every expert)")
 class TestQwen3MoeReloadTP2(TensorParallel2):
     """MoE experts sharded over two tensor-parallel ranks: each rank reloads and reads back its
     own shard of the experts (the sampled expert against the kernel's prepack of that shard)."""
@@ -203,19 +203,17 @@ class TestQwen3TiedShadow(VllmExactness):
 
 
 class TestQwen3MoeShadow(VllmExactness):
-    """The router alone is built as a shadow; an update to one expert reloads the MoE layer (the
-    experts' CPU kernel keeps state outside the module)."""
+    """One expert's update builds the whole MoE layer as a shadow (every expert loaded, then
+    prepacked by vLLM's CPU experts kernel on the shadow); the router alone, too."""
 
     family, swap_path = "qwen3_moe", "shadow"
-    reloaded = frozenset({"one expert of one layer"})
 
 
 class TestQwen3MoeShadowTP2(TensorParallel2):
-    """Each tensor-parallel rank builds the shadows of its own shards (the router); an expert's
-    update reloads each rank's shard of the experts."""
+    """Each tensor-parallel rank builds the shadows of its own shards (its shard of every expert,
+    the router)."""
 
     family, swap_path = "qwen3_moe", "shadow"
-    reloaded = frozenset({"one expert of one layer"})
 
 
 @pytest.mark.full_matrix("the tied embedding in place: TestQwen3TiedAutoTP2")
@@ -231,7 +229,7 @@ class TestQwen3TiedAutoTP2(TensorParallel2):
     family, swap_path, auto_takes = "qwen3", "auto", "inplace"
 
 
-@pytest.mark.full_matrix("MoE swaps: TestQwen3MoeShadow (its expert updates reload)")
+@pytest.mark.full_matrix("MoE swaps: TestQwen3MoeShadow (expert updates built as shadows)")
 class TestQwen3MoeInplace(VllmExactness):
     """vLLM's CPU experts kernel prepacks the experts: no in-place path there (said and skipped)."""
 

@@ -8,9 +8,15 @@ zeroed tensors of those shapes, with the loaders bound to the shadow; the tensor
 method's ``process_weights_after_loading``, which on the CPU packs linear weights for oneDNN or
 AMX into a closure on the module (``cpu_linear``), all state of the module itself.
 
-Modules whose processing keeps state outside the module (MoE experts' kernels, attention) are
-refused with :class:`~delta_swap.shadow.ShadowUnsupported`: an update that loads into one takes
-the reload path.
+MoE experts (unquantized, on vLLM's CPU experts kernel) are built the same way: the quantization
+method's processing hands the loaded weights to the kernel (on an update it only copies them,
+since the kernel is set up), and the CPU experts kernel's own ``process_weights_after_loading``
+then prepacks the shadow's weights, on the shadow (vLLM's reload skips that step; see
+:func:`cpu_experts`). The kernel reads the weights from the module it is called with, so the
+switch takes them in. MoE layers with biases are refused (the kernel's quantization config holds
+the live biases), as is any module whose processing keeps other state outside the module
+(quantized experts, attention): :class:`~delta_swap.shadow.ShadowUnsupported`, and an update that
+loads into one takes the reload path.
 """
 
 from __future__ import annotations
@@ -47,7 +53,9 @@ class VllmShadowEngine:
 
         method = getattr(module, "quant_method", None)
         if method is not None and type(method).__name__ not in _SELF_CONTAINED:
-            raise ShadowUnsupported(f"{type(module).__name__} is processed by {type(method).__name__}")
+            why = _experts_refusal(module, method)
+            if why is not None:
+                raise ShadowUnsupported(f"{type(module).__name__} is processed by {type(method).__name__}: {why}")
         info = LAYERWISE_INFO.get(module)
         if info is None:
             raise ShadowUnsupported(f"vLLM recorded no load-time layout of {type(module).__name__}")
@@ -75,9 +83,38 @@ class VllmShadowEngine:
         method = getattr(module, "quant_method", None)
         if method is not None and hasattr(method, "process_weights_after_loading"):
             method.process_weights_after_loading(module)
+            experts = cpu_experts(module)
+            if experts is not None:  # the prepack vLLM runs only at the first load
+                experts.process_weights_after_loading(module)
         update_tp_status = getattr(module, "update_param_tp_status", None)
         if update_tp_status is not None:
             update_tp_status()
+
+
+def cpu_experts(module: torch.nn.Module) -> Any | None:
+    """The CPU experts kernel of an MoE ``module`` that prepacks its weights after loading (None
+    for any other module). vLLM prepacks only at the first load: on a weight update its
+    quantization method copies the plain weights into the module and leaves the prepack out, so
+    whoever loads them again must run the kernel's ``process_weights_after_loading`` itself."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    return experts if experts is not None and hasattr(experts, "process_weights_after_loading") else None
+
+
+def _experts_refusal(module: torch.nn.Module, method: Any) -> str | None:
+    """Why the shadow build cannot make this MoE ``module`` (None: it can): only unquantized
+    experts on vLLM's CPU experts kernel, set up, without biases."""
+    if type(method).__name__ != "UnquantizedFusedMoEMethod":
+        return "its processing keeps state outside the module"
+    if getattr(method, "moe_kernel", None) is None or cpu_experts(module) is None:
+        return "not on vLLM's CPU experts kernel"
+    if getattr(getattr(method, "moe", None), "has_bias", False):
+        return "the experts kernel holds the live biases"
+    return None
 
 
 def _materialized(

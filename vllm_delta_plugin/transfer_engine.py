@@ -63,7 +63,7 @@ from delta_swap.staged_swap import StagedSwap, inplace_possible, read_staged
 from delta_swap.torch_params import ArenaMappings, describe_arena
 
 from .readback_shards import local_shards
-from .shadow_build import VllmShadowEngine, shadow_possible
+from .shadow_build import VllmShadowEngine, cpu_experts, shadow_possible
 from .worker_results import write_worker_result
 
 log = logging.getLogger("vllm_delta_plugin")
@@ -349,19 +349,13 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
 
 def _reloaded_cpu_experts(model: torch.nn.Module, touched: set[str]) -> list[tuple[str, Any]]:
     """(path, experts kernel) of every reloaded MoE module whose CPU experts kernel prepacks its
-    weights after loading. vLLM runs that prepack only on the first load: on a weight update it
-    copies the plain reloaded weights into the prepacked storage (RoutedExperts' ``_setup_kernel``),
-    and the CPU kernel then reads them as garbage."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return []
+    weights after loading (:func:`.shadow_build.cpu_experts`: vLLM's reload copies the plain
+    reloaded weights into the prepacked storage, and the CPU kernel then reads them as garbage)."""
     out = []
     for path, module in model.named_modules():
-        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if experts is None or not hasattr(experts, "process_weights_after_loading"):
-            continue
-        if any(path == t or path.startswith(t + ".") or t.startswith(path + ".") for t in touched):
+        experts = cpu_experts(module)
+        if experts is not None and any(
+            path == t or path.startswith(t + ".") or t.startswith(path + ".") for t in touched
+        ):
             out.append((path, experts))
     return out
