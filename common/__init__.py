@@ -47,6 +47,8 @@ point here::
                                     switching them in it (swap_path=shadow)
              staged_swap            the engine process's half of both: stage on a thread while
                                     the engine generates, apply in the pause, undo, drop
+             staging_files          the adapter's half: the staged files, the wait until every
+                                    engine process has staged
              readback               reading back what an engine computes with after a swap (torch)
              verify_budget          when to read a swap back (verify_swaps=auto: within 10% of windows)
              swap                   one update, all or nothing: stage, pause, swap, roll back, resume
