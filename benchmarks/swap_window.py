@@ -32,6 +32,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from benchmarks.harness import (
     SIZES,
@@ -178,16 +179,13 @@ def plot(rows: list[dict], path: Path) -> None:
         restarts = [(xi, r["restart_s"]) for xi, r in zip(x, mine, strict=True) if r.get("restart_s") is not None]
         if restarts:
             ax.plot(*zip(*restarts, strict=True), "^:", color=colors[engine], alpha=0.6, label=f"{engine}: restart")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("model size (MB of bf16 weights)")
-    ax.set_ylabel("seconds without generation per update")
-    where = "CPU, 2 cores" if device() == "cpu" else "one GPU"
-    ax.set_title(f"No-generation window per update ({where}; 2% of elements change per step)", fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _finish(
+        fig,
+        ax,
+        path,
+        "model size (MB of bf16 weights)",
+        "No-generation window per update ({where}; 2% of elements change per step)",
+    )
 
 
 def plot_sweep(rows: list[dict], path: Path) -> None:
@@ -219,12 +217,18 @@ def plot_sweep(rows: list[dict], path: Path) -> None:
             alpha=0.7,
             label=f"{which[0]}{at} {mine[0]['model_bytes'] / 1e6:.0f} MB: engine's own reload",
         )
+    _finish(
+        fig, ax, path, "elements changed per step (%)", "No-generation window against the changed fraction ({where})"
+    )
+
+
+def _finish(fig: Any, ax: Any, path: Path, xlabel: str, title: str) -> None:
+    """Log axes, labels, the ``title`` (``{where}``: CPU or GPU), grid and legend; save to ``path``."""
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("elements changed per step (%)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("seconds without generation per update")
-    where = "CPU, 2 cores" if device() == "cpu" else "one GPU"
-    ax.set_title(f"No-generation window against the changed fraction ({where})", fontsize=9)
+    ax.set_title(title.format(where="CPU, 2 cores" if device() == "cpu" else "one GPU"), fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
