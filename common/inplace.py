@@ -164,9 +164,11 @@ def element_changes(
     weights: Iterable[tuple[str, torch.Tensor]],
     packed: Mapping[str, Sequence[str]],
     default_loader: Callable[..., Any],
+    stop_at_first: bool = False,
 ) -> tuple[list[ElementChanges], set[str]]:
     """(the changes ``weights`` make to ``model``'s live parameters, one per parameter; the names
-    no loader received), worked out by the engine itself.
+    no loader received), worked out by the engine itself; with ``stop_at_first``, only the first
+    module's changes once one has any (whether there are any at all).
 
     The new tensors go through the model's own loaders (:mod:`.loader_redirect`: its name mapping,
     fused q/k/v and gate/up shard ids, expert ids, vocabulary padding, tied embeddings; a
@@ -184,6 +186,8 @@ def element_changes(
         found, received = _load_into_scratch(model, params, group, default_loader)
         changes.extend(found)
         ignored.update(name for name, _ in group if name not in received)
+        if found and stop_at_first:
+            break
     return _merged(changes), ignored
 
 

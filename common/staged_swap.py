@@ -73,7 +73,8 @@ def inplace_possible(
     started = time.perf_counter()
     try:
         with context(), torch.inference_mode():
-            changes, _ignored = element_changes(model, read_staged(served.checkpoint_dir), packed, default_loader)
+            weights = read_staged(served.checkpoint_dir)
+            changes, _ignored = element_changes(model, weights, packed, default_loader, stop_at_first=True)
     except Exception as exc:
         return False, f"cannot map the checkpoint onto the parameters: {type(exc).__name__}: {exc}"
     if changes:

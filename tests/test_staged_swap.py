@@ -132,6 +132,20 @@ def test_in_place_is_possible_only_where_parameters_hold_the_checkpoint_elements
     )
 
 
+def test_the_check_at_start_stops_at_the_first_module_held_in_another_form() -> None:
+    """A server whose engine repacks its weights must not load its whole checkpoint twice at start
+    to learn that in place is impossible: the comparison stops at the first differing module."""
+    from delta_swap.inplace import element_changes
+
+    model = Model()
+    weights = list(_checkpoint(model).items())
+    model.a.data.mul_(2)
+    model.b.data.mul_(2)
+    every, _ = element_changes(model, weights, {}, default_loader)
+    first, _ = element_changes(model, weights, {}, default_loader, stop_at_first=True)
+    assert sorted(c.param for c in every) == ["a", "b"] and [c.param for c in first] == ["a"]
+
+
 def test_staged_files_are_read_back_by_name(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
