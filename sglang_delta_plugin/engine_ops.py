@@ -58,25 +58,15 @@ def describe_after_init(result: Any, scheduler: Any, server_args: Any, *args: An
     output = os.environ.get(LAYOUT_FILE_ENV)
     if not output or LOADER not in (getattr(server_args, "custom_weight_loader", None) or []):
         return
-    from delta_swap.settings import Settings, SwapPath
-
-    packed, layout, inplace = None, None, False
+    refuse = amx_packed(scheduler)  # then no path is worked out: no update will be taken
+    packed, layout, inplace, reason = None, None, False, refuse or ""
     try:
         model = scheduler.tp_worker.model_runner.model
         packed = packed_modules(model)
-        swap_path = Settings.load().swap_path  # the HTTP server process exported it
-        if swap_path is SwapPath.INPLACE:
-            inplace, reason = _inplace_possible(model, server_args, packed)
-        else:
-            layout, reason = _describe(scheduler, server_args)
-            if layout is None and swap_path is SwapPath.AUTO:  # no arena (TP > 1, MoE experts...)
-                inplace, why = _inplace_possible(model, server_args, packed)
-                reason = f"{reason}; {'changed elements written in place' if inplace else why}"
+        if refuse is None:
+            layout, inplace, reason = _choose_path(scheduler, server_args, model, packed)
     except Exception as exc:  # never break the scheduler's start
         layout, inplace, reason = None, False, f"describing the parameters failed: {type(exc).__name__}: {exc}"
-    refuse = amx_packed(scheduler)
-    if refuse:
-        layout, inplace, reason = None, False, refuse
     if layout is not None:
         from delta_swap.torch_params import ArenaMappings
 
@@ -91,6 +81,21 @@ def describe_after_init(result: Any, scheduler: Any, server_args: Any, *args: An
         Path(output if rank == 0 else f"{output}.{rank}").write_text(json.dumps(doc))
     except OSError:  # a full staging folder: the HTTP server then takes the tensor path
         log.exception("delta_swap: cannot write the parameter layout to %s", output)
+
+
+def _choose_path(scheduler: Any, server_args: Any, model: Any, packed: dict[str, list[str]]) -> tuple[Any, bool, str]:
+    """(arena layout or None, whether in place, why) for this rank, as ``swap_path`` asks."""
+    from delta_swap.settings import Settings, SwapPath
+
+    swap_path = Settings.load().swap_path  # the HTTP server process exported it
+    if swap_path is SwapPath.INPLACE:
+        inplace, reason = _inplace_possible(model, server_args, packed)
+        return None, inplace, reason
+    layout, reason = _describe(scheduler, server_args)
+    if layout is None and swap_path is SwapPath.AUTO:  # no arena (TP > 1, MoE experts...)
+        inplace, why = _inplace_possible(model, server_args, packed)
+        return None, inplace, f"{reason}; {'changed elements written in place' if inplace else why}"
+    return layout, False, reason
 
 
 def amx_packed(scheduler: Any) -> str | None:
