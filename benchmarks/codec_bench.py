@@ -269,8 +269,8 @@ def entropy_bits(t: torch.Tensor, u: torch.Tensor) -> tuple[float, float]:
     mags = np.abs(d) - 1
     sign_bits = float(k)
     if len(shape) >= 2 and shape[-1] >= 256:
-        signs = np.sign(key_b - key_a).astype(np.int8).reshape(-1, shape[-1])
-        fitted = sign_model.fit(signs, *np.divmod(np.flatnonzero(m), shape[-1]))
+        rows, cols = np.divmod(np.flatnonzero(m), shape[-1])
+        fitted = sign_model.fit((a.size // shape[-1], shape[-1]), rows, cols, d < 0)
         if fitted is not None:
             sign_bits = min(sign_bits, _h2(k, int(np.count_nonzero(fitted[1] != (d < 0)))))
     values = sum(_h0(mags[e[m] == x]) for x in np.unique(e[m])) + sign_bits

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .bitio import bitlen, golomb_len, golomb_params, golomb_write, put, put_long
+from .bitio import QMAX, bitlen, golomb_len, golomb_params, golomb_write, put, put_long
 from .jit import inline, kernel
 from .wire import MAX_T, RANS_L, SCALE, SCALE_BITS
 
 HIST_BINS = 258  # encoder statistics: |step|-1 histogram 0..256, bin 257 = overflow
+_BITLEN = np.array([max(0, int(x).bit_length()) for x in range(HIST_BINS)], np.int64)  # bitlen() of each bin
 
 
 @inline
@@ -24,26 +25,30 @@ def enc_stats(u, v, mant_bits, exp_mask, row_len, n_rows, sign, full):
     """Per exponent: elements (all rows), elements in changed rows, changes, |step|-1 histogram,
     overflow bits; per row: whether it changed."""
     E = exp_mask + 1
-    ne = np.zeros(E, np.int64)
-    ne_alive = np.zeros(E, np.int64)
+    ne = np.zeros((2, E), np.int64)  # two counters per exponent: alternate elements do not wait on each other
+    ne_dead = np.zeros(E, np.int64)
     ke = np.zeros(E, np.int64)
     hist = np.zeros((E, HIST_BINS), np.int64)
     ovf_bits = np.zeros(E, np.int64)
     row_alive = np.zeros(n_rows, np.uint8)
     n = u.size
-    tmp = np.zeros(E, np.int64)
     for r in range(n_rows):
         s = r * row_len
         e_ = min(s + row_len, n)
-        tmp[:] = 0
-        any_ = False
+        same = 0
         for i in range(s, e_):
+            ne[i & 1, (np.int64(u[i]) >> mant_bits) & exp_mask] += 1
+            same += u[i] == v[i]
+        if same == e_ - s:  # a dead row: its elements count for the plan without dead rows
+            for i in range(s, e_):
+                ne_dead[(np.int64(u[i]) >> mant_bits) & exp_mask] += 1
+            continue
+        row_alive[r] = 1
+        for i in range(s, e_):  # the changes: a few percent of a row
             x = u[i]
             y = v[i]
-            e = (np.int64(x) >> mant_bits) & exp_mask
-            tmp[e] += 1
             if x != y:
-                any_ = True
+                e = (np.int64(x) >> mant_bits) & exp_mask
                 ke[e] += 1
                 d = _key(y, sign, full) - _key(x, sign, full)
                 mg = (d if d > 0 else -d) - 1
@@ -52,11 +57,8 @@ def enc_stats(u, v, mant_bits, exp_mask, row_len, n_rows, sign, full):
                 else:
                     hist[e, HIST_BINS - 1] += 1
                     ovf_bits[e] += bitlen(mg)
-        ne += tmp
-        if any_:
-            row_alive[r] = 1
-            ne_alive += tmp
-    return ne, ne_alive, ke, hist, ovf_bits, row_alive
+    ne_all = ne[0] + ne[1]
+    return ne_all, ne_all - ne_dead, ke, hist, ovf_bits, row_alive
 
 
 @inline
@@ -77,15 +79,13 @@ def _varint_len(x):
 
 
 @kernel
-def _mag_cost(h, ovf_bits):
-    """Estimated bits of the cheapest magnitude coding of a |step|-1 histogram."""
-    tot = 0
-    for i in range(HIST_BINS):
-        tot += h[i]
+def _mag_cost(h, tot, end, ovf_bits):
+    """Estimated bits of the cheapest magnitude coding of a |step|-1 histogram of ``tot`` steps
+    whose bins from ``end`` on are empty (but the overflow bin)."""
     if tot == h[0]:
         return 0.0
     s = 0.0
-    for i in range(HIST_BINS - 1):
+    for i in range(end):
         s += i * h[i]
     mean = s / tot
     best = 1e300
@@ -93,24 +93,39 @@ def _mag_cost(h, ovf_bits):
     for mm in (max(1, m0 // 2), max(1, m0 - 1), m0, m0 + 1, m0 * 2, 1):
         b, cut = golomb_params(mm)
         c = 8.0 * _varint_len(mm)
-        for i in range(HIST_BINS - 1):
+        q = 0  # golomb_len of i, without a division per bin: i = q * mm + r
+        r = 0
+        for i in range(end):
             if h[i]:
-                c += h[i] * golomb_len(i, mm, b, cut)
+                if q >= QMAX:
+                    c += h[i] * (47 + bitlen(i))
+                elif mm == 1:
+                    c += h[i] * (q + 1)
+                else:
+                    c += h[i] * (q + 1 + (b - 1 if r < cut else b))
+            r += 1
+            if r == mm:
+                r = 0
+                q += 1
         c += h[HIST_BINS - 1] * 60.0
         best = min(best, c)
+    info = np.zeros(end)  # per bin, its count times log2 of its share (computed once, not per T)
+    for i in range(end):
+        if h[i]:
+            info[i] = h[i] * np.log2(h[i] / tot)
     for T in (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
         c = 8.0 * (_varint_len(T) + 1.5 * T)
-        esc = 0
-        for i in range(T - 1, HIST_BINS):
+        esc = h[HIST_BINS - 1]
+        for i in range(T - 1, end):
             esc += h[i]
-        for i in range(T - 1):
+        for i in range(min(T - 1, end)):
             if h[i]:
-                c -= h[i] * np.log2(h[i] / tot)
+                c -= info[i]
         if esc:
             c -= esc * np.log2(esc / tot)
-            for i in range(T - 1, HIST_BINS - 1):
+            for i in range(T - 1, end):
                 if h[i]:
-                    c += h[i] * (6 + bitlen(i - (T - 1)))
+                    c += h[i] * (6 + _BITLEN[i - (T - 1)])
             c += h[HIST_BINS - 1] * 6 + ovf_bits
         best = min(best, c)
         if esc == 0:
@@ -128,22 +143,32 @@ def plan_classes(exps, ne, ke, hist, ovf_bits, class_bits):
     best[0] = 0.0
     arg = np.zeros(E + 1, np.int64)
     h = np.zeros(HIST_BINS, np.int64)
+    ends = np.zeros(E, np.int64)  # per exponent, past its last non-empty bin (but the overflow bin)
+    for t in range(E):
+        for b in range(HIST_BINS - 1):
+            if hist[exps[t], b]:
+                ends[t] = b + 1
     for j in range(1, E + 1):
         n = 0
         k = 0
         ob = 0
+        end = 0
         h[:] = 0
         for i in range(j, 0, -1):  # segment exps[i-1 .. j-1]
-            n += ne[exps[i - 1]]
-            k += ke[exps[i - 1]]
-            ob += ovf_bits[exps[i - 1]]
-            h += hist[exps[i - 1]]
+            e = exps[i - 1]
+            n += ne[e]
+            k += ke[e]
+            ob += ovf_bits[e]
+            end = max(end, ends[i - 1])
+            for b in range(ends[i - 1]):
+                h[b] += hist[e, b]
+            h[HIST_BINS - 1] += hist[e, HIST_BINS - 1]
             if k == 0:
                 c = 0.0
             else:
                 ev = min(k, n - k)
                 c = _h2bits(n, k) + 0.04 * ev + 8.0 * (4 + _varint_len(ev) + (_varint_len(k) if k > n - k else 0))
-                c += _mag_cost(h, ob) + k + class_bits  # + sign bits
+                c += _mag_cost(h, k, end, ob) + k + class_bits  # + sign bits
             if best[i - 1] + c < best[j]:
                 best[j] = best[i - 1] + c
                 arg[j] = i - 1
@@ -153,9 +178,13 @@ def plan_classes(exps, ne, ke, hist, ovf_bits, class_bits):
 
 
 @kernel
-def enc_walk(u, v, lut, row_alive, row_len, mant_bits, dense, ev_off, val_off, ev_out, val_out, sign, full):
-    """Collect per class (in natural order, skipping dead rows) the event gaps and signed steps."""
+def enc_walk(
+    u, v, lut, row_alive, row_len, mant_bits, dense, ev_off, val_off, ev_out, val_out, at_out, slot_out, sign, full
+):
+    """Collect per class (in natural order, skipping dead rows) the event gaps and signed steps;
+    and per change, in natural order, its position (``at_out``) and its index in ``val_out``."""
     K1 = ev_off.size
+    j = 0
     rank = np.zeros(K1, np.int64)
     last = np.full(K1, -1, np.int64)
     evp = ev_off.copy()
@@ -166,20 +195,36 @@ def enc_walk(u, v, lut, row_alive, row_len, mant_bits, dense, ev_off, val_off, e
             continue
         s = r * row_len
         e_ = min(s + row_len, n)
-        for i in range(s, e_):
+        i = s
+        while i < e_:
+            while i < e_ and u[i] == v[i]:  # a run of unchanged elements of sparse classes: no events
+                c = lut[np.int64(u[i]) >> mant_bits]
+                if dense[c]:
+                    break
+                rank[c] += 1
+                i += 1
+            if i == e_:
+                break
             x = u[i]
             y = v[i]
             c = lut[np.int64(x) >> mant_bits]
             rk = rank[c]
             rank[c] = rk + 1
-            ch = x != y
-            if ch != dense[c]:
+            if x != y:
+                if not dense[c]:
+                    ev_out[evp[c]] = rk - last[c] - 1
+                    last[c] = rk
+                    evp[c] += 1
+                val_out[vp[c]] = _key(y, sign, full) - _key(x, sign, full)
+                at_out[j] = i
+                slot_out[j] = vp[c]
+                j += 1
+                vp[c] += 1
+            elif dense[c]:
                 ev_out[evp[c]] = rk - last[c] - 1
                 last[c] = rk
                 evp[c] += 1
-            if ch:
-                val_out[vp[c]] = _key(y, sign, full) - _key(x, sign, full)
-                vp[c] += 1
+            i += 1
     return evp, vp
 
 
@@ -319,3 +364,128 @@ def rans_encode_bytes(syms, freqs, out):
         s = syms[j]
         x, w = _rans_put(x, w, out, freqs[s], cum[s])
     return out.size - _rans_flush(x, w, out)
+
+
+TABLE_SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # the rANS table sizes the encoder tries
+_HIST_CAP = 2 * 64  # magnitudes from here on are escaped by every table
+
+
+@inline
+def _numpy_sum(a, n):
+    """a[:n].sum() (n <= 128) added in numpy's order (8 interleaved partial sums from 8 elements
+    on), so that the encoder's choices match its numpy reference bit for bit."""
+    if n < 8:
+        s = 0.0
+        for i in range(n):
+            s += a[i]
+        return s
+    r = np.empty(8)
+    for k in range(8):
+        r[k] = a[k]
+    i = 8
+    while i < n - n % 8:
+        for k in range(8):
+            r[k] += a[i + k]
+        i += 8
+    s = (r[0] + r[1]) + (r[2] + r[3]) + ((r[4] + r[5]) + (r[6] + r[7]))
+    while i < n:
+        s += a[i]
+        i += 1
+    return s
+
+
+@kernel
+def quantize_freqs(counts):
+    """Frequencies summing to SCALE, every present symbol >= 1 (largest counts adjusted first)."""
+    c = counts.astype(np.float64)
+    tot = c.sum()
+    f = np.zeros(c.size, np.int64)
+    for i in range(c.size):
+        if c[i] > 0:
+            f[i] = max(1, int(np.floor(c[i] * SCALE / tot)))
+    diff = SCALE - f.sum()
+    order = np.argsort(-c, kind="mergesort")
+    i = 0
+    while diff != 0:
+        s = order[i % order.size]
+        if c[s] > 0:
+            if diff > 0:
+                f[s] += 1
+                diff -= 1
+            elif f[s] > 1:
+                f[s] -= 1
+                diff += 1
+        i += 1
+    return f
+
+
+@kernel
+def magnitude_code(mags):
+    """The cheapest coding of a class's magnitudes (|step| - 1, not all 0): (1, Golomb parameter,
+    no table) or (2, rANS table size T, its frequencies), T escaping magnitudes >= T - 1."""
+    n = mags.size
+    hist = np.zeros(_HIST_CAP, np.int64)
+    n_big = 0
+    total = 0
+    mx = 0
+    for x in mags:
+        total += x
+        mx = max(mx, x)
+        if x < _HIST_CAP:
+            hist[x] += 1
+        else:
+            n_big += 1
+    big = np.empty(n_big, np.int64)
+    j = 0
+    for x in mags:
+        if x >= _HIST_CAP:
+            big[j] = x
+            j += 1
+    # Golomb: the parameter (among a few around 0.69 x the mean) with the fewest bits
+    hint = max(1.0, 0.69 * (total / n))
+    best_gl = -1
+    best_m = 1
+    for fac in (0.5, 0.7, 0.85, 1.0, 1.15, 1.3, 1.6):
+        m = max(1, int(hint * fac + 0.5))
+        b, cut = golomb_params(m)
+        L = 0
+        for x in range(_HIST_CAP):
+            if hist[x]:
+                L += hist[x] * golomb_len(x, m, b, cut)
+        for x in big:
+            L += golomb_len(x, m, b, cut)
+        if best_gl < 0 or L < best_gl:
+            best_gl, best_m = L, m
+    best_bits = float(best_gl + 8 * _varint_len(best_m))
+    mode, param = 1, best_m
+    table = np.zeros(0, np.int64)
+    terms = np.empty(64)
+    for T in TABLE_SIZES:
+        counts = np.zeros(T, np.int64)
+        for x in range(T - 1):
+            counts[x] = hist[x]
+        esc_bits = 0
+        for x in range(T - 1, _HIST_CAP):
+            counts[T - 1] += hist[x]
+            esc_bits += hist[x] * (6 + bitlen(x - (T - 1)))
+        for x in big:
+            counts[T - 1] += 1
+            esc_bits += 6 + bitlen(x - (T - 1))
+        f = quantize_freqs(counts)
+        k = 0
+        for s in range(T):
+            if counts[s] > 0:
+                terms[k] = counts[s] * np.log2(f[s] / SCALE)
+                k += 1
+        bits = -_numpy_sum(terms, k)
+        if counts[T - 1]:
+            bits += esc_bits
+        overhead = _varint_len(T)
+        for s in range(T):
+            overhead += _varint_len(f[s])
+        bits += 8 * overhead
+        if bits < best_bits:
+            best_bits, mode, param, table = bits, 2, T, f
+        if T - 1 > mx:
+            break
+    return mode, param, table

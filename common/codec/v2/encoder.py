@@ -14,7 +14,9 @@ from .encode_kernels import (
     enc_walk,
     flip_byte_freqs,
     golomb_best_m,
+    magnitude_code,
     plan_classes,
+    quantize_freqs,
     rans_encode,
     rans_encode_bytes,
     write_bits,
@@ -27,7 +29,6 @@ from .wire import (
     METHOD_FULL,
     METHOD_ULP,
     METHOD_XOR,
-    SCALE,
     UINT,
     header,
     planes_body,
@@ -59,39 +60,6 @@ def encode_full(new: np.ndarray, dtype: str, zstd_level: int = ZSTD_LEVEL) -> by
     return header(METHOD_FULL, width, new.size // width) + planes_body(new.view(UINT[width]), width, zstd_level)
 
 
-def _quantize_freqs(counts: np.ndarray) -> np.ndarray:
-    """Frequencies summing to SCALE, every present symbol >= 1."""
-    counts = counts.astype(np.float64)
-    tot = counts.sum()
-    f = np.where(counts > 0, np.maximum(1, np.floor(counts * SCALE / tot)), 0).astype(np.int64)
-    diff = SCALE - int(f.sum())
-    order = np.argsort(-counts, kind="stable")
-    i = 0
-    while diff != 0:
-        s = order[i % order.size]
-        if counts[s] > 0:
-            if diff > 0:
-                f[s] += 1
-                diff -= 1
-            elif f[s] > 1:
-                f[s] -= 1
-                diff += 1
-        i += 1
-    return f
-
-
-def _table_bits(mags: np.ndarray, T: int) -> tuple[float, np.ndarray]:
-    sym = np.minimum(mags, T - 1)
-    counts = np.bincount(sym, minlength=T)[:T]
-    f = _quantize_freqs(counts)
-    bits = -(counts[counts > 0] * np.log2(f[counts > 0] / SCALE)).sum()
-    esc = mags[mags >= T - 1] - (T - 1)
-    if esc.size:
-        bits += 6 * esc.size + np.ceil(np.log2(esc + 1)).sum()
-    bits += 8 * (len(varint(T)) + sum(len(varint(int(x))) for x in f))
-    return float(bits), f
-
-
 def _h2bits_py(n: int, k: int) -> float:
     if k <= 0 or k >= n:
         return 0.0
@@ -110,37 +78,27 @@ def _segments(exps: np.ndarray, arg: np.ndarray) -> list[tuple[int, int]]:
 
 
 def _sign_section(
-    u: np.ndarray,
-    v: np.ndarray,
-    vals: np.ndarray,
-    lut_e: np.ndarray,
-    mant_bits: int,
-    E: int,
-    shape: tuple[int, ...] | None,
-    row_len: int,
-    n_rows: int,
+    vals: np.ndarray, at: np.ndarray, slot: np.ndarray, shape: tuple[int, ...] | None, row_len: int, n_rows: int
 ) -> tuple[int, bytes]:
     """(payload flags, the signs' bytes): raw sign bits, or, where it is smaller, a sign model
     (:mod:`.sign_model`) and the rANS-coded flips of ``vals`` (which are negated in place
-    where the model predicts a negative step)."""
+    where the model predicts a negative step). ``at``/``slot``: per change in element order, its
+    position in the tensor and its index in ``vals``."""
     raw = np.packbits(vals < 0, bitorder="little").tobytes()
-    if not shape or len(shape) < 2 or row_len * n_rows != u.size or vals.size < sign_model.MIN_CHANGES:
+    if not shape or len(shape) < 2 or n_rows < 2 or vals.size < sign_model.MIN_CHANGES:  # one row: no model
         return 0, raw
-    changed = np.flatnonzero(u != v)
-    cls = lut_e[(u[changed] >> mant_bits).astype(np.int64) & (E - 1)].astype(np.uint8)  # K <= 256 classes
-    order = np.argsort(cls, kind="stable")  # (a radix sort) value j is the change at changed[order[j]]
-    signs = np.zeros(u.size, np.int8)
-    signs[changed[order]] = np.where(vals < 0, -1, 1)
-    rows, cols = np.divmod(changed, row_len)
-    fitted = sign_model.fit(signs.reshape(n_rows, row_len), rows, cols)
+    rows, cols = np.divmod(at, row_len)
+    fitted = sign_model.fit((n_rows, row_len), rows, cols, vals[slot] < 0)
     if fitted is None:
         return 0, raw
     model, predicted = fitted
-    stored = np.where(predicted[order], -vals, vals)
+    predicted_by_value = np.empty(vals.size, np.bool_)
+    predicted_by_value[slot] = predicted
+    stored = np.where(predicted_by_value, -vals, vals)
     flips = np.zeros((stored.size + 7) // 8 * 8, np.uint8)
     flips[: stored.size] = stored < 0
     nibbles = flips[0::4] | flips[1::4] << 1 | flips[2::4] << 2 | flips[3::4] << 3
-    f4 = _quantize_freqs(np.bincount(nibbles, minlength=16))
+    f4 = quantize_freqs(np.bincount(nibbles, minlength=16))
     f8 = flip_byte_freqs(f4)
     if f8.size == 0:
         return 0, raw
@@ -218,6 +176,8 @@ def _encode_ulp(
     val_off = np.concatenate([[0], np.cumsum(n_class_changes)[:-1]]).astype(np.int64) if K else np.zeros(0, np.int64)
     ev = np.empty(int(n_events.sum()), np.int64)
     vals = np.empty(n_changed, np.int64)
+    at = np.empty(n_changed, np.int64)  # per change in natural order: its position, its index in vals
+    slot = np.empty(n_changed, np.int64)
     if K:
         enc_walk(
             u,
@@ -231,6 +191,8 @@ def _encode_ulp(
             np.append(val_off, 0),
             ev,
             vals,
+            at,
+            slot,
             sign,
             full,
         )
@@ -253,19 +215,9 @@ def _encode_ulp(
         mags = np.abs(vals[val_off[c] : val_off[c] + n_class_changes[c]]) - 1
         if mags.max() == 0:
             continue
-        m2, gl = golomb_best_m(mags, max(1.0, 0.69 * mags.mean()))
-        best: tuple[int, int, np.ndarray | None] = (1, int(m2), None)
-        best_bits = gl + 8 * len(varint(int(m2)))
-        mx = int(mags.max())
-        for T in (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64):
-            tb, f = _table_bits(mags, T)
-            if tb < best_bits:
-                best_bits, best = tb, (2, T, f)
-            if T - 1 > mx:
-                break
-        mode, param, table = best
+        mode, param, table = magnitude_code(mags)
         mag_mode[c] = mode
-        if table is None:
+        if mode == 1:
             mag_m[c] = param
         else:
             mag_T[c] = param
@@ -286,7 +238,7 @@ def _encode_ulp(
         buf, row_ev, row_m, ev, ev_off, n_events, cls_m, vals, val_off, n_class_changes, mag_mode, mag_m, mag_T
     )
     bits_bytes = buf.view(np.uint8)[: (nbits + 7) // 8].tobytes()
-    flags, signs = _sign_section(u, v, vals, lut_e, mant_bits, E, shape if predict_signs else None, row_len, n_rows)
+    flags, signs = _sign_section(vals, at, slot, shape if predict_signs else None, row_len, n_rows)
     rans_bytes = b""
     if tables:
         rbuf = np.zeros(vals.size * 2 + 8, np.uint16)
