@@ -33,7 +33,7 @@ CASES = {  # shape, fraction changed, rows that never change, largest step, rank
     "not a chunk multiple": ((4096 * 3 + 77,), 0.02, 0.0, 1),
     "tiny": ((70,), 0.2, 0.0, 1),
     "large (its rank bitmaps grow)": ((600, 512), 0.01, 0.0, 1),
-    "predicted signs": ((80, 640), 0.1, 0.1, 2, 2),
+    "predicted signs": ((160, 640), 0.1, 0.1, 2, 2),  # big enough that the model clearly pays
     "predicted signs, one bit per factor": ((200, 256), 0.15, 0.0, 1, 1),
 }
 

@@ -32,7 +32,6 @@ LEVEL_MAX = 255
 _OVERSAMPLE = 4
 _POWER_ITERATIONS = 1
 _REFINE_ROUNDS = 3
-_FIT_ELEMENTS = 1 << 20  # the SVD sees at most this many elements (every k-th row of a larger matrix)
 
 
 @dataclass(frozen=True)
@@ -84,15 +83,32 @@ def _two_bit(x: np.ndarray) -> tuple[np.ndarray, float, float]:
     return ((x < 0) | (high << 1)).astype(np.uint8), lo, hi
 
 
-def _top_factors(m: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray]:
-    """Rank-``rank`` factors (u * sqrt(s), v * sqrt(s)) of m by a seeded randomized SVD."""
+@kernel
+def _times(rows, cols, signs, x, n_out):
+    """S @ x for the sparse sign matrix S (entry ``signs[i]`` at (rows[i], cols[i])); S.T @ x with
+    rows and cols swapped."""
+    k = x.shape[1]
+    out = np.zeros((n_out, k))
+    for i in range(rows.size):
+        r, c, s = rows[i], cols[i], signs[i]
+        for t in range(k):
+            out[r, t] += s * x[c, t]
+    return out
+
+
+def _top_factors(
+    shape: tuple[int, int], rows: np.ndarray, cols: np.ndarray, signs: np.ndarray, rank: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Rank-``rank`` factors (u * sqrt(s), v * sqrt(s)) of the sparse sign matrix by a seeded
+    randomized SVD; every product runs over the changes only."""
+    n_rows, row_len = shape
     rng = np.random.default_rng(0)
-    q = m @ rng.standard_normal((m.shape[1], rank + _OVERSAMPLE), dtype=np.float32)
+    q = _times(rows, cols, signs, rng.standard_normal((row_len, rank + _OVERSAMPLE)), n_rows)
     for _ in range(_POWER_ITERATIONS):
         q, _ = np.linalg.qr(q)
-        q = m @ (m.T @ q)
+        q = _times(rows, cols, signs, _times(cols, rows, signs, q, row_len), n_rows)
     q, _ = np.linalg.qr(q)
-    u, s, vt = np.linalg.svd(q.T @ m, full_matrices=False)
+    u, s, vt = np.linalg.svd(_times(cols, rows, signs, q, row_len).T, full_matrices=False)
     root = np.sqrt(s[:rank])
     return (q @ u[:, :rank]) * root, vt[:rank].T * root
 
@@ -180,11 +196,7 @@ def fit(
     n_rows, row_len = shape
     if n < MIN_CHANGES or row_len % ROW_ALIGN or n_rows < 2:
         return None
-    every = max(1, n_rows * row_len // _FIT_ELEMENTS)  # the SVD sees every k-th row: bounded memory
-    sampled = np.zeros(((n_rows + every - 1) // every, row_len), np.float32)
-    kept = rows % every == 0
-    sampled[rows[kept] // every, cols[kept]] = np.where(negative[kept], -1.0, 1.0)
-    a, b = _top_factors(sampled, min(MAX_RANK, *sampled.shape))
+    a, b = _top_factors(shape, rows, cols, np.where(negative, -1.0, 1.0), min(MAX_RANK, n_rows, row_len))
     no_rows = np.zeros((n_rows, 1), np.uint8)  # the refinement sets every row's codes first
     candidates = [
         _refine(
