@@ -6,11 +6,14 @@ tensor is encoded and decoded with
 
 * ``delta_swap``: our codec as the publisher writes it (codec v2, ``DSC2``; the tensor's shape is
   passed so unchanged rows are flagged);
+* ``delta_swap@1``: the same codec at encoder level 1 (``CodecConfig(level=1)``: no sign model,
+  a faster encode for a slightly larger payload; the decoder is the same);
 * ``delta_swap_v1``: the previous codec (``CodecConfig(version=1)``, ``DSC1``), for reference;
 * ``arc_v3@1`` / ``arc_v3@19``: Fireworks' ``fireworks-delta-compression`` 0.1.0 ARC v3 with its
   default zstd level 1 and with level 19 (its smallest payloads; 22 gives the same sizes), all
   candidates allowed to finish (``ARC3_CANDIDATE_WAIT_MULTIPLIER``): its best setting;
-* ``arc_v2`` (only with ``--methods``) and ``xor+zstd3``: zstd level 3 of the XOR of the bytes.
+* ``arc_v2`` (only with ``--methods``), and ``xor+zstd1`` / ``xor+zstd3``: zstd level 1 (what
+  NVIDIA ModelExpress ships) and 3 of the XOR of the bytes.
 
 Every round trip is checked bit-exact. Columns: payload as % of the model bytes and relative to
 the *smallest* ARC v3 payload of the run; encode and decode MB of model bytes per second on one
@@ -62,8 +65,8 @@ from delta_swap import codec  # noqa: E402
 from delta_swap.checksum import checksum  # noqa: E402
 from delta_swap.codec.v2 import sign_model  # noqa: E402
 
-METHODS = ("delta_swap", "delta_swap_v1", "arc_v3@1", "arc_v3@19", "arc_v2", "xor+zstd3")
-DEFAULT_METHODS = ("delta_swap", "delta_swap_v1", "arc_v3@1", "arc_v3@19", "xor+zstd3")
+METHODS = ("delta_swap", "delta_swap@1", "delta_swap_v1", "arc_v3@1", "arc_v3@19", "arc_v2", "xor+zstd1", "xor+zstd3")
+DEFAULT_METHODS = ("delta_swap", "delta_swap@1", "delta_swap_v1", "arc_v3@1", "arc_v3@19", "xor+zstd1", "xor+zstd3")
 OURS = "delta_swap"
 #: torch dtype -> (safetensors name, mantissa bits, exponent bits, unsigned view dtype)
 _FLOATS: dict[torch.dtype, tuple[str, int, int, torch.dtype]] = {
@@ -172,8 +175,9 @@ def _arc_method(fmt: str, zstd_level: int | None = None) -> Method:
     return Method(name, encode, decode, decode, encode_repeats=1 if (zstd_level or 0) > 3 else None)
 
 
-def _zstd_method() -> Method:
-    compressor, decompressor = zstandard.ZstdCompressor(level=3), zstandard.ZstdDecompressor()
+def _zstd_method(level: int) -> Method:
+    compressor, decompressor = zstandard.ZstdCompressor(level=level), zstandard.ZstdDecompressor()
+    name = f"xor+zstd{level}"
 
     def encode(p: TensorPair) -> tuple[Any, int]:
         payload = compressor.compress(np.bitwise_xor(p.old, p.new).tobytes())
@@ -185,20 +189,22 @@ def _zstd_method() -> Method:
     def rebuild(p: TensorPair, payload: Any) -> np.ndarray:
         out = decode(p, payload)
         if checksum(out) != p.new_checksum:
-            raise VerifyError(f"xor+zstd3: checksum mismatch on {p.name}")
+            raise VerifyError(f"{name}: checksum mismatch on {p.name}")
         return out
 
-    return Method("xor+zstd3", encode, decode, rebuild)
+    return Method(name, encode, decode, rebuild)
 
 
 def _methods(names: list[str]) -> list[Method]:
     build = {
         "delta_swap": lambda: _codec_method("delta_swap", codec.CodecConfig()),
+        "delta_swap@1": lambda: _codec_method("delta_swap@1", codec.CodecConfig(level=1)),
         "delta_swap_v1": lambda: _codec_method("delta_swap_v1", codec.CodecConfig(version=1)),
         "arc_v3@1": lambda: _arc_method("arc_v3", 1),
         "arc_v3@19": lambda: _arc_method("arc_v3", 19),
         "arc_v2": lambda: _arc_method("arc_v2"),
-        "xor+zstd3": _zstd_method,
+        "xor+zstd1": lambda: _zstd_method(1),
+        "xor+zstd3": lambda: _zstd_method(3),
     }
     return [build[name]() for name in names]
 

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from . import head_cache, store_keys
+from . import codec, head_cache, store_keys
 from .chain import READ_AHEAD, ChainReader, head_step_at
 from .checkpoint_dir import PULL_MARKER, install_checkpoint, is_side_file, read_checkpoint_dir, recover_install
 from .checkpoint_watch import ready_checkpoints
@@ -150,6 +150,7 @@ def _publisher_config(args: argparse.Namespace, head_cache_folder: str | None, w
         signing_key=args.signing_key,
         run_id=args.run_id,
         encode_threads=args.encode_threads,
+        codec=codec.CodecConfig(level=args.level),
         head_cache=head_cache_folder,
         warm_up=warm_up,
     )
@@ -490,6 +491,15 @@ def _publish_flags(p: argparse.ArgumentParser) -> None:
         "--encode-threads",
         type=int,
         help="threads that encode the tensors (default: every core this process may run on)",
+    )
+    p.add_argument(
+        "--level",
+        type=int,
+        choices=sorted(codec.LEVELS),
+        default=codec.CodecConfig().level,
+        help="encoder level: "
+        + "; ".join(f"{k} {v}" for k, v in sorted(codec.LEVELS.items()))
+        + " (default %(default)s; benchmarks/README.md, 'Encoder levels')",
     )
 
 

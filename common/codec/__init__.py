@@ -25,6 +25,8 @@ from .inputs import Payload, payload_view, raw_bytes
 
 #: The codec version new payloads are written with.
 LATEST_VERSION = 2
+#: Encoder levels (:attr:`CodecConfig.level`): what each one does.
+LEVELS = {1: "fast: no sign model", 2: "default: a sign model per matrix where it pays"}
 _MAGICS = {b"DSC1": 1, b"DSC2": 2}
 
 
@@ -40,10 +42,17 @@ class CodecConfig:
     #: Codec v2: code the signs of a matrix's steps against a low-rank prediction where that is
     #: smaller (~4% smaller payloads at lr 1e-5, a rebuild some % slower: benchmarks/README.md).
     predict_signs: bool = True
+    #: Codec v2's encoder effort, as zstd has levels (the decoder is the same): 2 (default) tries
+    #: the sign model on every matrix, the smallest payloads; 1 skips it, for an encode ~1.7x as
+    #: fast and payloads ~4-5% larger at lr 1e-5 (about the same at 1e-6). Measured on
+    #: benchmarks/codec_bench.py's corpora: benchmarks/README.md, "Encoder levels".
+    level: int = 2
 
     def __post_init__(self) -> None:
         if self.version not in _MAGICS.values():
             raise ConfigError(f"unknown codec version {self.version} (known: {sorted(_MAGICS.values())})")
+        if self.level not in LEVELS:
+            raise ConfigError(f"unknown codec level {self.level} (known: {sorted(LEVELS)})")
 
 
 DEFAULT_CONFIG = CodecConfig()
@@ -111,7 +120,7 @@ def encode_tensor_delta(
         tuple(shape) if shape else None,
         config.zstd_level,
         config.dense_fraction,
-        config.predict_signs,
+        config.predict_signs and config.level >= 2,
     )
 
 

@@ -134,7 +134,7 @@ def _mag_cost(h, tot, end, ovf_bits):
 
 
 @kernel
-def plan_classes(exps, ne, ke, hist, ovf_bits, class_bits):
+def plan_classes(exps, ne, ke, hist, ovf_bits, class_bits, max_span):
     """Dynamic program over the sorted active exponents: split them into contiguous classes
     minimising estimated bits, plus ``class_bits`` per class with changes (what a class costs the
     decoder, in bits' worth). Returns (total bits, start index of the segment ending at j)."""
@@ -172,7 +172,7 @@ def plan_classes(exps, ne, ke, hist, ovf_bits, class_bits):
             if best[i - 1] + c < best[j]:
                 best[j] = best[i - 1] + c
                 arg[j] = i - 1
-            if j - i > 24:
+            if j - i >= max_span - 1:
                 break
     return best[E], arg
 

@@ -42,6 +42,10 @@ ZSTD_LEVEL = 3
 #: payload): merging small classes makes rebuilds faster for slightly larger payloads
 #: (benchmarks/README.md, "Fewer classes").
 CLASS_COST = 0.025
+#: At most this many exponents per class (the plan's dynamic program looks no further back): 8
+#: plans 1.1x as fast as 25 for payloads 0.1-0.3% smaller and the same rebuild speed (4 gives no
+#: more; benchmarks/README.md, "Encoder levels").
+MAX_CLASS_SPAN = 8
 
 
 def _width(dtype: str, nbytes: int) -> int:
@@ -140,13 +144,13 @@ def _encode_ulp(
     # class plans without and with the dead-rows filter
     exps = np.flatnonzero(ne).astype(np.int64)
     class_bits = class_cost * n_changed
-    cost, arg = plan_classes(exps, ne, ke, hist, ovf_bits, class_bits)
+    cost, arg = plan_classes(exps, ne, ke, hist, ovf_bits, class_bits, MAX_CLASS_SPAN)
     ne_used = ne
     n_alive = int(row_alive.sum())
     row_mode = 0
     if n_rows > 1 and n_alive < n_rows:
         exps_a = np.flatnonzero(ne_alive).astype(np.int64)
-        cost1, arg1 = plan_classes(exps_a, ne_alive, ke, hist, ovf_bits, class_bits)
+        cost1, arg1 = plan_classes(exps_a, ne_alive, ke, hist, ovf_bits, class_bits, MAX_CLASS_SPAN)
         minority = min(n_alive, n_rows - n_alive)
         cost1 += _h2bits_py(n_rows, minority) + 0.04 * minority + 24
         if cost1 < cost:
