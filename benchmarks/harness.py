@@ -77,6 +77,8 @@ class Trainer:
     step: int = 0
     #: The fraction of every tensor's elements each step moves (:func:`rl_update`).
     fraction: float = 0.02
+    #: The publisher's settings (default: a base once, every allowed core, the default codec).
+    publisher_config: PublisherConfig | None = None
 
     def __post_init__(self) -> None:
         shutil.rmtree(self.store, ignore_errors=True)  # a fresh chain: the store is this trainer's own
@@ -84,7 +86,7 @@ class Trainer:
         self.gen = torch.Generator().manual_seed(0)
         self.publisher = Publisher(
             str(self.store),
-            PublisherConfig(base_every=10_000),
+            self.publisher_config or PublisherConfig(base_every=10_000),
             files={"config.json": (self.model / "config.json").read_bytes()},
         )
         self.publisher.publish(0, self.weights)

@@ -1,0 +1,42 @@
+"""A CI-sized run of the scale benchmark (benchmarks/scale.py): a tiny Llama on vLLM, pinned to one
+core in a process of its own as ``python -m benchmarks.scale`` runs each size, two RL-sized
+updates each timed phase by phase beside the full-checkpoint path, then the table and the plot.
+
+It checks that every phase was measured and accounted for, not this machine's speed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import scale
+
+pytestmark = pytest.mark.engine
+
+
+@pytest.fixture(scope="module")
+def row(tmp_path_factory) -> dict:
+    return scale.run_pinned("tiny", 1, tmp_path_factory.mktemp("scale"), steps=2, level=1)
+
+
+def test_every_step_is_timed_phase_by_phase_on_one_core(row) -> None:
+    assert row["size"] == "tiny" and row["cores"] == 1 and row["level"] == 1
+    assert row["encode_threads"] == 1  # the publisher encodes on the cores it may use: one
+    assert len(row["steps"]) == 2
+    for step in row["steps"]:
+        assert step["payload_bytes"] and step["payload_bytes"] < row["model_bytes"] / 5  # a delta, not a base
+        assert {"fetch", "decode", "verify", "pause", "swap"} <= set(step["server"])
+        assert 0 < step["publish_s"] < step["serving_s"]  # serving waits for the publish, then the server
+        assert step["write_s"] > 0 and step["reload_s"] > 0
+    assert row["trainer_peak_bytes"] > row["model_bytes"] and row["server_peak_bytes"] > row["model_bytes"]
+
+
+def test_the_table_and_the_plot(row, tmp_path) -> None:
+    header, line = scale.summarize([row])
+    assert (
+        "publish s" in header
+        and "reload s" in header
+        and line.split()[:3] == ["tiny", f"{row['model_bytes'] / 1e6:.0f}", "1"]
+    )
+    scale.plot([row], tmp_path / "scale.png")
+    assert (tmp_path / "scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
