@@ -35,7 +35,8 @@ class CodecConfig:
     """Encoder knobs; the decoder needs none of them."""
 
     zstd_level: int = 3
-    #: Above this fraction of changed elements the encoder also tries a full payload.
+    #: Above this fraction of changed elements the encoder also tries a full payload (codec v2:
+    #: when the delta also exceeds a quarter of the tensor's bytes).
     dense_fraction: float = 0.125
     #: Codec version of new payloads: 2, or 1 for readers that predate codec v2.
     version: int = LATEST_VERSION

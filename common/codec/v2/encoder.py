@@ -42,6 +42,10 @@ ZSTD_LEVEL = 3
 #: payload): merging small classes makes rebuilds faster for slightly larger payloads
 #: (benchmarks/README.md, "Fewer classes").
 CLASS_COST = 0.025
+#: A full payload is tried only for a delta over 1/FULL_TRY_BELOW of the tensor's bytes: trained
+#: bf16 weights compress to 60-70% on their own, so a smaller delta wins anyway, and compressing
+#: them costs a quarter of the encode of a delta with 20% of the elements changed.
+FULL_TRY_BELOW = 4
 #: At most this many exponents per class (the plan's dynamic program looks no further back): 8
 #: plans 1.1x as fast as 25 for payloads 0.1-0.3% smaller and the same rebuild speed (4 gives no
 #: more; benchmarks/README.md, "Encoder levels").
@@ -286,7 +290,8 @@ def encode_delta(
 
     ``shape`` (optional) is the tensor's shape: rows of its last dimension that do not change at
     all are then flagged instead of coded element by element. When more than ``dense_fraction``
-    of the elements changed, a full payload is returned if it is smaller. ``predict_signs``: try a
+    of the elements changed and the delta exceeds 1/FULL_TRY_BELOW of the tensor's bytes, a full
+    payload is returned if it is smaller. ``predict_signs``: try a
     sign model (:mod:`.sign_model`) where the shape allows it. ``class_cost``: see CLASS_COST.
     """
     new = raw_bytes(new, "new")
@@ -299,7 +304,7 @@ def encode_delta(
         payload, n_changed = _encode_ulp(
             readonly(old, UINT[width]), readonly(new, UINT[width]), dtype, shape, predict_signs, class_cost
         )
-        if n_changed > dense_fraction * n:
+        if n_changed > dense_fraction * n and len(payload) * FULL_TRY_BELOW > new.size:
             full = encode_full(new, dtype, zstd_level)
             if len(full) < len(payload):
                 return full
