@@ -20,7 +20,7 @@ benchmarks/rl_corpus.py). Step 0 is published as a base (not timed); each later 
   commit line.
 
 * ranks: ``--ranks N`` gloo ranks (a process each, one encode thread each), each publishing its
-  round-robin share of the same step (``PublisherConfig(rank=r, world_size=N)``; the last rank to
+  balanced share of the same step (``PublisherConfig(rank=r, world_size=N)``; the last rank to
   finish commits), timed from a barrier before the publish to a barrier after every rank's flush:
   the multi-rank publisher of a sharded trainer, against one rank on one thread.
 
@@ -234,7 +234,7 @@ def _rank_main(rank: int, world: int, shapes: dict, steps: int, lr: float, store
     """One rank of :func:`measure_ranks` (every rank makes the same steps: same seed)."""
     import torch.distributed as dist
 
-    from delta_swap.integrations.sharded import round_robin_share
+    from delta_swap.integrations.sharded import balanced_share
     from delta_swap.publisher import Publisher, PublisherConfig
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -243,12 +243,12 @@ def _rank_main(rank: int, world: int, shapes: dict, steps: int, lr: float, store
     config = PublisherConfig(base_every=10_000, encode_threads=1, rank=rank, world_size=world)
     seconds = []
     with Publisher(store, config) as pub:
-        pub.publish(0, round_robin_share(trainer.state().items(), rank, world))
+        pub.publish(0, balanced_share(trainer.state().items(), rank, world))
         pub.flush()
         rss_before = _rss_mb()
         for step in range(1, steps + 1):
             trainer.advance()
-            share = round_robin_share(trainer.state().items(), rank, world)
+            share = balanced_share(trainer.state().items(), rank, world)
             dist.barrier()
             start = time.perf_counter()
             pub.publish(step, share)

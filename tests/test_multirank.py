@@ -48,3 +48,37 @@ async def test_three_processes_publish_one_consistent_chain(tmp_path) -> None:
     steps = rl_steps(STEPS, seed=7)
     for i in (0, 3, STEPS - 1):
         assert_state_equal((await rebuild(store, manifests[i].snapshot_id))[1], steps[i])
+
+
+def test_shares_are_balanced_by_elements_and_every_tensor_has_one_owner() -> None:
+    """A Llama-like stream (embeddings first, output head last, layers between): round robin gave
+    both large tensors to rank 0; the least loaded rank takes each tensor in turn, so the shares
+    differ by at most one tensor, and every rank computes the same owners."""
+    import torch
+
+    from delta_swap.integrations.sharded import Share, balanced_share, owned_tensors
+
+    stream = [("model.embed_tokens.weight", torch.zeros(64, 16))]
+    for i in range(3):
+        stream += [
+            (f"model.layers.{i}.q_proj.weight", torch.zeros(16, 16)),
+            (f"model.layers.{i}.norm", torch.zeros(16)),
+        ]
+        stream += [(f"model.layers.{i}.mlp.weight", torch.zeros(32, 16))]
+    stream.append(("lm_head.weight", torch.zeros(64, 16)))
+    largest = max(t.numel() for _, t in stream)
+    for world in (2, 3):
+        shares = [balanced_share(stream, rank, world) for rank in range(world)]
+        owners = [name for share in shares for name in share]
+        assert sorted(owners) == sorted(name for name, _ in stream)  # each tensor exactly once
+        loads = [sum(t.numel() for t in share.values()) for share in shares]
+        assert max(loads) - min(loads) <= largest, loads
+        share = Share(0, world)
+        for name, tensor in stream:
+            share.add(name, tensor)
+        assert share.loads == loads  # what every rank tracks
+        by_name = [owned_tensors(reversed(stream), rank, world) for rank in range(world)]  # dealt in name order
+        assert sorted(n for s in by_name for n in s) == sorted(name for name, _ in stream)
+    two = [sum(t.numel() for t in balanced_share(stream, rank, 2).values()) for rank in range(2)]
+    round_robin = [sum(t.numel() for _, t in stream[rank::2]) for rank in range(2)]
+    assert max(two) < max(round_robin), (two, round_robin)  # the slowest rank has less to encode

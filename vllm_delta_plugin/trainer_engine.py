@@ -24,7 +24,7 @@ notify after each commit (best effort: they also poll) and, with ``max_staleness
 
 Multi-rank trainers call ``trainer_init`` and ``send_weights`` on every rank, as with vLLM's
 engines; every rank iterates the source in the same order (FSDP's ``full_tensor`` gathers are
-collectives) and keeps only its own share (round robin over the source's order, or the names its
+collectives) and keeps only its own share (the least loaded rank in the source's order, or the names its
 source holds), which it encodes and uploads itself: no rank gathers the model. The last rank to
 finish commits the snapshot (:mod:`delta_swap.commit`).
 
@@ -58,7 +58,7 @@ from vllm.distributed.weight_transfer.base import (  # noqa: E402
 from delta_swap.checkpoint_dir import read_side_files  # noqa: E402
 from delta_swap.errors import ConfigError  # noqa: E402
 from delta_swap.integrations.servers import notify_urls, served_steps, wait_for_servers  # noqa: E402
-from delta_swap.integrations.sharded import round_robin_share  # noqa: E402
+from delta_swap.integrations.sharded import balanced_share  # noqa: E402
 from delta_swap.publisher import Publisher, PublisherConfig  # noqa: E402
 
 # The trainer engine's name in ``WeightTransferTrainerFactory`` is the worker backend's: vLLM keeps
@@ -197,7 +197,7 @@ class DeltaSwapTrainerEngine(TrainerWeightTransferEngine[DeltaSwapTrainerInitInf
         """This rank's tensors of ``pairs``: every tensor is materialized in turn (a collective for
         a DTensor) and kept only by its owner, cast to the serving dtype."""
         rank, world = self.init_info.rank, self.init_info.world_size
-        return round_robin_share(pairs, rank, world, self._dtype, materialize=materialize_full_tensor, held=held)
+        return balanced_share(pairs, rank, world, self._dtype, materialize=materialize_full_tensor, held=held)
 
     def flush(self) -> None:
         """Wait until every step this rank sent is committed (or its part uploaded); raise if one failed."""

@@ -22,7 +22,7 @@ delta-swap plugin pull, verify and swap it themselves. In verl's config::
 
 On the actor side (verl's ``update_weights``), every rank calls :meth:`send_weights` with verl's
 per-tensor generator and drains it (an FSDP rank's gathers are collectives); each rank keeps its
-share (round robin) on the host, in the dtype the checkpoint at ``model_path`` holds each tensor
+share (balanced by elements) on the host, in the dtype the checkpoint at ``model_path`` holds each tensor
 in, encodes and uploads it, and the last rank to finish commits the snapshot
 (:mod:`delta_swap.commit`). Names the checkpoint does not hold fail on the trainer, except the
 tied ``lm_head.weight`` verl's generator yields for a model whose config ties it, which is left
@@ -293,7 +293,7 @@ async def _drain(weights: Any, share: Share) -> None:
 
 def _check_same_stream(names: list[str], world_size: int) -> None:
     """Raise ConfigError on every rank unless every rank drained the same names in the same order
-    (round-robin shares assume it). Collective."""
+    (the shares assume it). Collective."""
     if world_size == 1:
         return
     import hashlib
