@@ -40,6 +40,11 @@ SIZES: dict[str, dict[str, int]] = {
     "160M": {"hidden_size": 1024, "num_layers": 14, "num_heads": 16, "num_kv_heads": 4, "intermediate_size": 2816},
     "350M": {"hidden_size": 1536, "num_layers": 14, "num_heads": 16, "num_kv_heads": 4, "intermediate_size": 4096},
 }
+#: Qwen3-MoE shapes by parameter count (8 experts of ``intermediate_size // 4``, top 2), bf16.
+MOE_SIZES: dict[str, dict[str, int]] = {
+    "moe-45M": {"hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 4, "intermediate_size": 1536},
+    "moe-190M": {"hidden_size": 1024, "num_layers": 12, "num_heads": 16, "num_kv_heads": 4, "intermediate_size": 2048},
+}
 MODEL_NAME = "model"
 
 
@@ -48,7 +53,13 @@ def model_bytes(folder: Path) -> int:
 
 
 def make_model(root: Path, size: str) -> Path:
-    """A random Llama checkpoint of ``size`` (cached in ``root``), init std 0.02 like HF's."""
+    """A random checkpoint of ``size`` (cached in ``root``), init std 0.02 like HF's: a Llama for
+    :data:`SIZES`, a Qwen3-MoE for :data:`MOE_SIZES`."""
+    if size in MOE_SIZES:
+        folder = root / f"qwen3_moe-{size.removeprefix('moe-')}"
+        if not any(folder.glob("*.safetensors")):
+            make_tiny_model(folder, vocab_size=512, init_std=0.02, family="qwen3_moe", **MOE_SIZES[size])
+        return folder
     folder = root / f"llama-{size}"
     if not (folder / "model.safetensors").exists():
         make_tiny_model(folder, vocab_size=512, init_std=0.02, **SIZES[size])

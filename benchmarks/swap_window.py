@@ -1,7 +1,7 @@
 """Figure 1: how long an engine generates nothing per update, against model size, for delta-swap,
 the engine's own full reload of the same weights, and a restart, on vLLM and SGLang (CPU).
 
-    python -m benchmarks.swap_window [--engines vllm sglang] [--sizes 25M 60M 100M 160M 350M] [--updates 5]
+    python -m benchmarks.swap_window [--engines vllm sglang] [--sizes 25M 60M 100M 160M 350M moe-45M moe-190M] [--updates 5]
                                      [--swap-paths auto inplace arena shadow reload] [--no-restart]
                                      [--changed 0.02 | --changed 0.001 0.005 0.02 0.1] [--tp 1 2]
 
@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import (
+    MOE_SIZES,
     SIZES,
     Trainer,
     engine_reload,
@@ -125,7 +126,7 @@ def _median_phase(r: dict, phase: str) -> float:
 
 def summarize(rows: list[dict]) -> list[str]:
     lines = [
-        f"{'engine':<7} {'size':>5} {'model MB':>9} {'TP':>2} {'changed':>7} {'asked':>7} {'path':>7} {'stage ms':>9} {'pause':>6} "
+        f"{'engine':<7} {'size':>8} {'model MB':>9} {'TP':>2} {'changed':>7} {'asked':>7} {'path':>7} {'stage ms':>9} {'pause':>6} "
         f"{'swap':>7} {'resume':>6} {'window ms':>10} {'engine reload ms':>17} {'ratio':>6} {'restart s':>10} "
         f"{'publish->serving s':>19}"
     ]
@@ -136,13 +137,17 @@ def summarize(rows: list[dict]) -> list[str]:
         restart = "-" if r.get("restart_s") is None else f"{r['restart_s']:.1f}"
         phases = [1000 * _median_phase(r, p) for p in ("stage", "pause", "swap", "resume")]
         lines.append(
-            f"{r['engine']:<7} {r['size']:>5} {r['model_bytes'] / 1e6:>9.0f} {r.get('tp', 1):>2} "
+            f"{r['engine']:<7} {r['size']:>8} {r['model_bytes'] / 1e6:>9.0f} {r.get('tp', 1):>2} "
             f"{r.get('changed', 0.02):>7.1%} "
             f"{r.get('asked', 'auto'):>7} "
             f"{r.get('swap_path') or '-':>7} {phases[0]:>9.1f} {phases[1]:>6.1f} {phases[2]:>7.1f} {phases[3]:>6.1f} "
             f"{1000 * window:>10.1f} {1000 * reload:>17.1f} {window / reload:>6.3f} {restart:>10} {latency:>19.2f}"
         )
     return lines
+
+
+def _family(size: str) -> str:
+    return "qwen3-moe" if size in MOE_SIZES else "llama"
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -154,12 +159,13 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     colors = {"vllm": "tab:blue", "sglang": "tab:orange"}
     styles = iter(["o-", "D-", "v-", "P-"] * 4)
-    for engine, asked, tp in sorted({(r["engine"], r.get("asked", "auto"), r.get("tp", 1)) for r in rows}):
-        mine = sorted(
-            (r for r in rows if (r["engine"], r.get("asked", "auto"), r.get("tp", 1)) == (engine, asked, tp)),
-            key=lambda r: r["model_bytes"],
-        )
-        taken_at = f" TP {tp}" if tp > 1 else ""
+
+    def key(r: dict) -> tuple:
+        return r["engine"], r.get("asked", "auto"), r.get("tp", 1), _family(r["size"])
+
+    for engine, asked, tp, family in sorted({key(r) for r in rows}):
+        mine = sorted((r for r in rows if key(r) == (engine, asked, tp, family)), key=lambda r: r["model_bytes"])
+        taken_at = (f" TP {tp}" if tp > 1 else "") + (f" {family}" if family != "llama" else "")
         taken = "/".join(sorted({str(r.get("swap_path")) for r in mine}))
         x = [r["model_bytes"] / 1e6 for r in mine]
         ax.plot(
@@ -178,7 +184,13 @@ def plot(rows: list[dict], path: Path) -> None:
         )
         restarts = [(xi, r["restart_s"]) for xi, r in zip(x, mine, strict=True) if r.get("restart_s") is not None]
         if restarts:
-            ax.plot(*zip(*restarts, strict=True), "^:", color=colors[engine], alpha=0.6, label=f"{engine}: restart")
+            ax.plot(
+                *zip(*restarts, strict=True),
+                "^:",
+                color=colors[engine],
+                alpha=0.6,
+                label=f"{engine}{taken_at}: restart",
+            )
     _finish(
         fig,
         ax,
@@ -238,7 +250,13 @@ def _finish(fig: Any, ax: Any, path: Path, xlabel: str, title: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", nargs="+", default=["vllm", "sglang"], choices=["vllm", "sglang"])
-    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument(
+        "--sizes",
+        nargs="+",
+        default=list(SIZES),
+        choices=[*SIZES, *MOE_SIZES],
+        help="Llama sizes, or moe-* (Qwen3-MoE)",
+    )
     parser.add_argument("--updates", type=int, default=5)
     parser.add_argument(
         "--swap-paths",
