@@ -39,6 +39,7 @@ SIZES: dict[str, dict[str, int]] = {
     "100M": {"hidden_size": 1024, "num_layers": 9, "num_heads": 16, "num_kv_heads": 4, "intermediate_size": 2816},
     "160M": {"hidden_size": 1024, "num_layers": 14, "num_heads": 16, "num_kv_heads": 4, "intermediate_size": 2816},
     "350M": {"hidden_size": 1536, "num_layers": 14, "num_heads": 16, "num_kv_heads": 4, "intermediate_size": 4096},
+    "540M": {"hidden_size": 2048, "num_layers": 12, "num_heads": 16, "num_kv_heads": 4, "intermediate_size": 5632},
 }
 #: Qwen3-MoE shapes by parameter count (8 experts of ``intermediate_size // 4``, top 2), bf16.
 MOE_SIZES: dict[str, dict[str, int]] = {

@@ -106,7 +106,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", nargs="+", default=["vllm", "sglang"], choices=["vllm", "sglang"])
-    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--sizes", nargs="+", default=["25M", "60M", "100M", "160M", "350M"], choices=list(SIZES))
     parser.add_argument("--updates", type=int, default=5)
     parser.add_argument("--workdir")
     parser.add_argument("--json", default=str(DOCS / "publish_latency.json"))

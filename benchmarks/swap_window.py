@@ -1,7 +1,7 @@
 """Figure 1: how long an engine generates nothing per update, against model size, for delta-swap,
 the engine's own full reload of the same weights, and a restart, on vLLM and SGLang (CPU).
 
-    python -m benchmarks.swap_window [--engines vllm sglang] [--sizes 25M 60M 100M 160M 350M moe-45M moe-190M] [--updates 5]
+    python -m benchmarks.swap_window [--engines vllm sglang] [--sizes 25M 60M 100M 160M 350M 540M moe-45M moe-190M] [--updates 5]
                                      [--swap-paths auto inplace arena shadow reload] [--no-restart]
                                      [--changed 0.02 | --changed 0.001 0.005 0.02 0.1] [--tp 1 2]
 
@@ -253,7 +253,7 @@ def main() -> None:
     parser.add_argument(
         "--sizes",
         nargs="+",
-        default=list(SIZES),
+        default=["25M", "60M", "100M", "160M", "350M"],
         choices=[*SIZES, *MOE_SIZES],
         help="Llama sizes, or moe-* (Qwen3-MoE)",
     )
