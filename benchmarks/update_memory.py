@@ -10,7 +10,9 @@ a few requests. The server with the plugin is sampled every 20 ms from launch th
 sync (the base, while the engine still holds the weights it loaded), then while a trainer publishes
 ``--updates`` RL-sized updates. Prints, over the model's bytes: what delta-swap adds at the peak
 of the first sync (over the plain server's own start-up peak), between updates, and at the peak
-during updates (both over the plain server in steady state); writes docs/update_memory.png.
+during updates (both over the plain server in steady state), and the swap path the server took
+(``auto`` takes ``shadow`` where vLLM repacked its weights: one spare copy of the changed modules
+until each swap is final); writes docs/update_memory.png.
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ import httpx
 
 from benchmarks.harness import (
     MODEL_NAME,
+    MOE_SIZES,
     SIZES,
     Trainer,
     engine_server,
     make_model,
     model_bytes,
+    status,
     tree_memory,
     wait_ready,
     wait_step,
@@ -94,12 +98,14 @@ def measure(engine: str, size: str, work: Path, updates: int) -> dict:
                     wait_step(server.url, trainer.step)
             time.sleep(2)
             steady = tree_memory(server.proc.pid)
+            swap_path = status(server.url).get("swap_path")
     finally:
         trainer.close()
     size_b = model_bytes(model)
     return {
         "engine": engine,
         "size": size,
+        "swap_path": swap_path,
         "model_bytes": size_b,
         "plain": plain,
         "plain_start_peak": plain_start.peak,
@@ -114,12 +120,12 @@ def measure(engine: str, size: str, work: Path, updates: int) -> dict:
 
 def summarize(rows: list[dict]) -> list[str]:
     lines = [
-        f"{'engine':<7} {'size':>5} {'model MB':>9} {'plain MB':>9} {'steady MB':>10} {'update peak MB':>15} "
+        f"{'engine':<7} {'size':>8} {'path':>7} {'model MB':>9} {'plain MB':>9} {'steady MB':>10} {'update peak MB':>15} "
         f"{'added/model: first sync':>24} {'between updates':>16} {'update peak':>12}"
     ]
     for r in rows:
         lines.append(
-            f"{r['engine']:<7} {r['size']:>5} {r['model_bytes'] / 1e6:>9.0f} {r['plain'] / 1e6:>9.0f} "
+            f"{r['engine']:<7} {r['size']:>8} {r.get('swap_path') or '-':>7} {r['model_bytes'] / 1e6:>9.0f} {r['plain'] / 1e6:>9.0f} "
             f"{r['steady'] / 1e6:>10.0f} {r['update_peak'] / 1e6:>15.0f} {r['first_sync_over_model']:>24.2f} "
             f"{r['steady_over_model']:>16.2f} {r['update_peak_over_model']:>12.2f}"
         )
@@ -133,7 +139,7 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    labels = [f"{r['engine']}\n{r['size']} ({r['model_bytes'] / 1e6:.0f} MB)" for r in rows]
+    labels = [f"{r['engine']} {r.get('swap_path') or ''}\n{r['size']} ({r['model_bytes'] / 1e6:.0f} MB)" for r in rows]
     x = range(len(rows))
     series = [
         ("first sync (peak)", "first_sync_over_model"),
@@ -155,7 +161,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", nargs="+", default=["vllm", "sglang"], choices=["vllm", "sglang"])
-    parser.add_argument("--sizes", nargs="+", default=["160M", "350M"], choices=list(SIZES))
+    parser.add_argument("--sizes", nargs="+", default=["160M", "350M"], choices=[*SIZES, *MOE_SIZES])
     parser.add_argument("--updates", type=int, default=5)
     parser.add_argument("--workdir")
     parser.add_argument("--json", default=str(DOCS / "update_memory.json"))
