@@ -21,11 +21,12 @@ from .dtypes import dtype_size
 from .errors import CorruptDataError, FormatVersionError
 
 FORMAT_NAME = "delta-swap"
-#: Written by this build: 3 = codec v2 (``DSC2``) payloads may have predicted signs (version 2:
-#: they may not; version 1: codec v1 payloads only).
-FORMAT_VERSION = 3
+#: Written by this build: 4 = codec v2 (``DSC2``) payloads of large tensors may be split into
+#: parts (method 3); version 3: they may have predicted signs; version 2: neither; version 1:
+#: codec v1 payloads only.
+FORMAT_VERSION = 4
 #: Read by this build: stores of every earlier version stay readable.
-READABLE_FORMAT_VERSIONS = (1, 2, 3)
+READABLE_FORMAT_VERSIONS = (1, 2, 3, 4)
 
 
 class SnapshotKind(str, Enum):

@@ -4,8 +4,9 @@ A training loop calls :meth:`Publisher.publish` after each optimizer step. The c
 tensors to host memory and returns; encoding and upload run on a background thread with at
 most ``max_pending`` steps queued (bounded memory). That thread encodes a step's tensors on
 ``encode_threads`` threads (default: every core the process may run on; the codec's kernels run
-without the GIL) and writes their payloads into the shard in the tensors' order, so the snapshot
-is the same byte for byte on any number of threads. When steps queue up, the next one is encoded
+without the GIL), a large tensor in parts that the threads share (``CodecConfig.part_elements``),
+and writes their payloads into the shard in the tensors' order, so the snapshot is the same byte
+for byte on any number of threads. When steps queue up, the next one is encoded
 while the previous one uploads and commits (a part is one shard, so a step's own upload starts
 after its encode). Errors surface on the next ``publish``, ``flush`` or ``close``.
 
@@ -25,13 +26,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import io
 import logging
+import math
 import os
 import queue
 import re
 import threading
-from collections.abc import Callable, Generator, Iterable, Mapping
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -575,10 +578,14 @@ class Publisher:
         entries = []
         raw_bytes = sum(t.nbytes for t in job.state.values())
         prev = self._prev_state
-        items = [(prev[name], new) for name, new in job.state.items()]
-        encoded = self._in_order(lambda pair: _encode_delta(pair[0], pair[1], cfg.codec), items)
+        plan = [
+            (name, new, codec.tensor_parts(math.prod(new.shape), new.shape, cfg.codec))
+            for name, new in job.state.items()
+        ]
+        encoded = self._in_order(lambda work: work(), _encode_jobs(plan, prev, cfg.codec))
         try:
-            for (name, new), (digest, payload) in zip(job.state.items(), encoded):
+            for name, new, parts in plan:
+                digest, payload = _joined(next(encoded), encoded, prev[name], new, parts, cfg.codec)
                 self._progress(new.nbytes)
                 if payload is None:
                     entries.append(TensorEntry(name, new.dtype, new.shape, Encoding.SAME, digest))
@@ -678,6 +685,66 @@ def _encode_delta(old: HostTensor, new: HostTensor, config: codec.CodecConfig) -
     if np.array_equal(old.data, new.data):
         return digest, None
     return digest, codec.encode_tensor_delta(old.data, new.data, new.dtype, config, shape=new.shape)
+
+
+Plan = list[tuple[str, HostTensor, list[tuple[int, int]]]]
+
+
+def _encode_jobs(plan: Plan, prev: StateDict, config: codec.CodecConfig) -> Iterator[Callable[[], Any]]:
+    """The encode work of a step, in the plan's order: a tensor in one piece is one job (checksum
+    and payload); a tensor in parts (:func:`codec.tensor_parts`) is one job for its checksum and
+    whether it changed, then one per part (None where the part did not change), so that threads
+    share a large tensor."""
+    for name, new, parts in plan:
+        old = prev[name]
+        if len(parts) == 1:
+            yield functools.partial(_encode_delta, old, new, config)
+            continue
+        yield functools.partial(_checksum_and_changed, old, new)
+        for part in parts:
+            yield functools.partial(_encode_changed_part, old, new, part, config)
+
+
+def _checksum_and_changed(old: HostTensor, new: HostTensor) -> tuple[str, bool]:
+    return checksum(new.data), not np.array_equal(old.data, new.data)
+
+
+def _encode_changed_part(
+    old: HostTensor, new: HostTensor, part: tuple[int, int], config: codec.CodecConfig
+) -> bytes | None:
+    width = new.nbytes // max(1, math.prod(new.shape))
+    start, stop = part[0] * width, part[1] * width
+    if np.array_equal(old.data[start:stop], new.data[start:stop]):
+        return None
+    return codec.encode_part(old.data, new.data, new.dtype, part, config, new.shape)
+
+
+def _joined(
+    first: Any,
+    rest: Iterator[Any],
+    old: HostTensor,
+    new: HostTensor,
+    parts: list[tuple[int, int]],
+    config: codec.CodecConfig,
+) -> tuple[str, bytes | None]:
+    """A tensor's (checksum, payload or None) from its jobs' results (``first``, then as many of
+    ``rest`` as it has parts); a part that did not change in a tensor that did is coded here."""
+    if len(parts) == 1:
+        return first
+    digest, changed = first
+    payloads = [next(rest) for _ in parts]
+    if not changed:
+        return digest, None
+    coded = [
+        (
+            stop - start,
+            payload
+            if payload is not None
+            else codec.encode_part(old.data, new.data, new.dtype, (start, stop), config, new.shape),
+        )
+        for (start, stop), payload in zip(parts, payloads, strict=True)
+    ]
+    return digest, codec.join_parts(new.dtype, coded)
 
 
 def _ordered(

@@ -459,9 +459,14 @@ def test_stored_v2_payloads_of_format_version_2_still_decode_bit_exact(name: str
 # ------------------------------------------------------------------------------ crafted input
 
 
-@pytest.fixture(params=[1, 2], ids=["v1", "v2"])
+@pytest.fixture(params=[1, 2, "split"], ids=["v1", "v2", "v2-split"])
 def sample(request, rng) -> tuple[np.ndarray, np.ndarray, bytes]:
     old, new = _weights(rng, "BF16", (40, 500), 0.03, max_step=20)
+    if request.param == "split":  # parts of 10 rows each
+        config = codec.CodecConfig(part_elements=5000)
+        payload = codec.encode_tensor_delta(old, new, "BF16", config, shape=(40, 500))
+        assert payload[4] == v2.METHOD_SPLIT
+        return old, new, payload
     return old, new, codec.encode_tensor_delta(old, new, "BF16", codec.CodecConfig(version=request.param))
 
 
@@ -684,6 +689,82 @@ def test_declared_changes_the_flip_streams_cannot_hold_are_refused_before_alloca
     assert all(s.i64.nbytes < 4 << 20 for s in decoder._POOL)
 
 
+@pytest.mark.parametrize("dtype", ["BF16", "F32", "I16"])
+@pytest.mark.parametrize("shape", [(37, 300), (11100,)])
+def test_large_tensors_are_coded_in_parts_that_threads_can_share(rng, dtype: str, shape) -> None:
+    """A tensor of at least twice ``part_elements`` is a split payload (method 3) of whole rows;
+    it rebuilds bit-exact, and encoding its parts one by one (as the publisher's threads do) and
+    joining them gives the same bytes."""
+    if dtype == "I16":
+        old, new = _pair(rng, dtype, int(np.prod(shape)), 0.05, small=False)
+    else:
+        old, new = _weights(rng, dtype, shape, 0.04, max_step=9)
+    config = codec.CodecConfig(part_elements=3000)
+    parts = codec.tensor_parts(int(np.prod(shape)), shape, config)
+    assert len(parts) == 3 and parts[0][0] == 0 and parts[-1][1] == int(np.prod(shape))
+    if len(shape) == 2:
+        assert all(start % shape[-1] == 0 for start, _ in parts)  # whole rows
+    payload = codec.encode_tensor_delta(old, new, dtype, config, shape=shape)
+    assert payload[4] == v2.METHOD_SPLIT and codec.payload_method(payload).value == "delta"
+    assert np.array_equal(codec.decode(old, payload, dtype, old.size), new)
+    joined = codec.join_parts(
+        dtype, [(b - a, codec.encode_part(old, new, dtype, (a, b), config, shape)) for a, b in parts]
+    )
+    assert joined == payload
+    assert codec.tensor_parts(int(np.prod(shape)), shape) == [(0, int(np.prod(shape)))]  # the default: one piece
+    whole = codec.encode_tensor_delta(old, new, dtype, shape=shape)
+    assert whole[4] != v2.METHOD_SPLIT and len(payload) < 1.1 * len(whole) + 200
+
+
+def test_split_payloads_of_full_parts_need_no_previous_tensor(rng) -> None:
+    old, new = _pair(rng, "BF16", 6000, 0.9, small=False)  # most bytes change: every part is full
+    payload = codec.encode_tensor_delta(old, new, "BF16", codec.CodecConfig(part_elements=2000), shape=(20, 300))
+    assert payload[4] == v2.METHOD_SPLIT and codec.payload_method(payload).value == "full"
+    assert np.array_equal(codec.decode_tensor_delta(None, payload, "BF16"), new)
+
+
+def _split(*parts: tuple[int, bytes], n: int | None = None, count: int | None = None, flags: int = 0) -> bytes:
+    total = sum(e for e, _ in parts) if n is None else n
+    table = _v(len(parts) if count is None else count) + b"".join(_v(e) + _v(len(p)) for e, p in parts)
+    return b"DSC2" + bytes([v2.METHOD_SPLIT, 2, flags]) + _v(total) + table + b"".join(p for _, p in parts)
+
+
+def test_crafted_split_payloads_are_rejected_before_any_part_is_decoded(rng) -> None:
+    """Tables that do not add up, nested splits, parts of another element size or method, and
+    flags are refused before a byte of the output is written."""
+    old, new = _weights(rng, "BF16", (8, 500), 0.05, max_step=3)
+    half = old.size // 2
+    a = codec.encode_tensor_delta(old[:half], new[:half], "BF16")
+    b = codec.encode_tensor_delta(old[half:], new[half:], "BF16")
+    good = _split((2000, a), (2000, b))
+    assert np.array_equal(codec.decode(old, good, "BF16", old.size), new)
+    wide = codec.encode_tensor_delta(old[half:], new[half:], "I16")  # the same bytes as 2-byte integers: XOR
+    nested = _split((1000, a[:0] + codec.join_parts("BF16", [(1000, a)])), (2000, b))  # a split inside a split
+    bad = {
+        "one part": _split((4000, codec.encode_tensor_delta(old, new, "BF16"))),
+        "elements short": _split((2000, a), (1999, b), n=4000),
+        "elements over": _split((2000, a), (2001, b), n=4000),
+        "zero elements": _split((0, b""), (2000, a), (2000, b)),
+        "lengths short": _split((2000, a), (2000, b)) + b"\0",
+        "count over": _split((2000, a), (2000, b), count=3),
+        "count over the bound": _split((2000, a), (2000, b), n=1 << 20, count=(1 << 16) + 1),
+        "flags": _split((2000, a), (2000, b), flags=1),
+        "nested": nested,
+        "part of another element size": _split((2000, a), (2000, b[:5] + bytes([4]) + b[6:])),
+        "part of an unknown method": _split((2000, a), (2000, b[:4] + bytes([7]) + b[5:])),
+        "part with a bad magic": _split((2000, a), (2000, b"DSC1" + b[4:])),
+        "XOR part for a float dtype": _split((2000, a), (2000, wide[:5] + bytes([2]) + wide[6:])),
+    }
+    for what, payload in bad.items():
+        out = old.copy()
+        with pytest.raises(CorruptDataError):
+            codec.decode_into(out, payload, "BF16")
+        if what != "XOR part for a float dtype":  # framing errors: nothing written
+            assert np.array_equal(out, old), what
+            with pytest.raises(CorruptDataError):  # and what the payload needs is not answered either
+                codec.payload_method(payload)
+
+
 def test_v2_zstd_bomb_plane_is_rejected() -> None:
     import zstandard
 
@@ -767,6 +848,14 @@ def _spec_cases() -> list[tuple[np.ndarray, bytes, str]]:
     old, new = _pair(rng, "I16", 500, 0.1, small=False)
     cases.append((old, codec.encode_tensor_delta(old, new, "I16"), "I16"))
     cases.append((old, codec.encode_full(new, "BF16"), "BF16"))
+    for dtype, frac, dense in (("BF16", 0.05, 2.0), ("F16", 0.9, 0.125)):  # split: ULP parts; full parts
+        old, new = _weights(rng, dtype, (12, 256), frac, max_step=3)
+        config = codec.CodecConfig(dense_fraction=dense, part_elements=1000)
+        cases.append((old, codec.encode_tensor_delta(old, new, dtype, config, shape=(12, 256)), dtype))
+        assert cases[-1][1][4] == 3
+    old, new = _pair(rng, "I16", 3000, 0.1, small=False)  # split XOR parts of a 1-D tensor
+    cases.append((old, codec.encode_tensor_delta(old, new, "I16", codec.CodecConfig(part_elements=1000)), "I16"))
+    assert cases[-1][1][4] == 3
     return cases
 
 
@@ -780,7 +869,7 @@ def test_docs_format_md_is_enough_to_decode_v2() -> None:
     for old, payload, dtype in cases:
         modes.add(payload[4])
         assert ref.decode(old.tobytes(), payload, dtype) == codec.decode(old, payload, dtype, old.size).tobytes()
-    assert modes == {0, 1, 2}
+    assert modes == {0, 1, 2, 3}
     rng = np.random.default_rng(5)
     outcomes = {"both refuse": 0, "same bytes": 0}
     for _ in range(150):

@@ -52,28 +52,34 @@ async def test_chain_of_twelve_steps_rebuilds_every_snapshot_bit_exact(tmp_path)
     assert (await rebuild(store))[0].snapshot_id == ids[-1]
 
 
-async def test_format_version_1_stores_with_codec_v1_payloads_still_rebuild(tmp_path) -> None:
-    """Stores written before codec v2 (manifest format_version 1, DSC1 payloads) stay readable;
-    new stores are written as format_version 3 with DSC2 payloads (which may predict signs)."""
+async def test_stores_of_every_earlier_format_version_still_rebuild(tmp_path) -> None:
+    """Stores written before codec v2 (manifest format_version 1, DSC1 payloads), before predicted
+    signs (2) and before split payloads (3) stay readable; new stores are written as format_version
+    4, with DSC2 payloads that may predict signs and, for large tensors, come in parts."""
     from delta_swap.codec import CodecConfig
 
     steps = rl_steps(5)
-    old_store, v2_store, new_store = tmp_path / "v1", tmp_path / "v2", tmp_path / "v3"
-    ids = _publish(old_store, steps, base_every=10, codec=CodecConfig(version=1))
-    _publish(v2_store, steps, base_every=10, codec=CodecConfig(predict_signs=False))  # as format 2 wrote them
-    _publish(new_store, steps, base_every=10)
+    stores = {version: tmp_path / f"v{version}" for version in (1, 2, 3, 4)}
+    ids = _publish(stores[1], steps, base_every=10, codec=CodecConfig(version=1))
+    _publish(stores[2], steps, base_every=10, codec=CodecConfig(predict_signs=False))  # as format 2 wrote them
+    _publish(stores[3], steps, base_every=10)  # these tensors are below the default part size: no parts
+    _publish(stores[4], steps, base_every=10, codec=CodecConfig(part_elements=1000))  # every tensor in parts
     for sid in ids:
-        _edit_manifest(old_store, sid, lambda d: d.update(format_version=1))
-        _edit_manifest(v2_store, sid, lambda d: d.update(format_version=2))
-    for root, magic, version in ((old_store, b"DSC1", 1), (v2_store, b"DSC2", 2), (new_store, b"DSC2", 3)):
+        for version in (1, 2, 3):
+            _edit_manifest(stores[version], sid, lambda d, v=version: d.update(format_version=v))
+    methods = set()
+    for version, root in stores.items():
+        magic = b"DSC1" if version == 1 else b"DSC2"
         for m in await ChainReader(FileStore(root)).list():
             assert m.format_version == version
             for shard in m.shards if m.kind == "delta" else ():
                 data = (root / store_keys.shard_key(m.snapshot_id, shard.name)).read_bytes()
                 offsets = [t.offset for t in m.tensors if t.shard == shard.name]
                 assert offsets and all(data[o : o + 4] == magic for o in offsets)
+                methods |= {(version, data[o + 4]) for o in offsets}
         for i, expected in enumerate(steps):
             assert_state_equal((await rebuild(FileStore(root), ids[i]))[1], expected)
+    assert (3, 3) not in methods and (4, 3) in methods  # split payloads (method 3) in the new store only
 
 
 async def test_shape_change_and_large_delta_force_a_base(tmp_path) -> None:
@@ -222,7 +228,7 @@ async def test_tampered_manifest_checksum_is_caught(chain) -> None:
     "edit, error, match",
     [
         (lambda d: d.update(format_version=99), FormatVersionError, "format version 99"),
-        (lambda d: d.update(format_version=4), FormatVersionError, "format version 4"),
+        (lambda d: d.update(format_version=5), FormatVersionError, "format version 5"),
         (lambda d: d.update(format_version=True), FormatVersionError, "format version True"),
         (lambda d: d["tensors"][0].update(shard="../../etc/passwd"), CorruptDataError, "invalid shard"),
         (lambda d: d["shards"][0].update(name="/abs/path"), CorruptDataError, "invalid shard"),

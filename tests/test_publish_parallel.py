@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from delta_swap import head_cache
+from delta_swap import head_cache, store_keys
 from delta_swap.chain import ChainReader
+from delta_swap.codec import CodecConfig
 from delta_swap.errors import ConfigError, PublishError, StoreError
 from delta_swap.publisher import Publisher, PublisherConfig, allowed_cores
 from delta_swap.rebuild import rebuild
@@ -66,6 +67,35 @@ async def test_parallel_chain_rebuilds_bit_exact_and_leaves_no_thread(tmp_path) 
     assert not [t for t in threading.enumerate() if t.name.startswith("delta-swap-encode")]
     for i, expected in enumerate(steps):
         assert_state_equal((await rebuild(FileStore(tmp_path), f"step-{i:010d}"))[1], expected)
+
+
+async def test_large_tensors_encode_in_parts_on_threads_for_the_same_snapshots(tmp_path) -> None:
+    """Tensors of at least twice ``part_elements`` are coded in parts, which the threads share: the
+    same snapshots on 1 and 3 threads, split payloads (method 3) in them, a tensor that did not
+    change stays SAME, a part that did not change inside one that did is still coded, and every
+    step rebuilds bit-exact."""
+    shapes = {"embed.weight": (96, 64), "layers.0.w": (48, 64), "frozen.weight": (64, 64), "norm.weight": (64,)}
+    steps = rl_steps(4, shapes=shapes, lr=1e-4)
+    for state in steps[1:]:
+        state["frozen.weight"] = steps[0]["frozen.weight"].clone()  # never changes: SAME, not coded
+        state["embed.weight"][:48] = steps[0]["embed.weight"][:48]  # its first parts never change
+    codec_config = CodecConfig(part_elements=1024)  # embed 6 parts, layers.0.w 3, norm.weight 1
+    trees = {}
+    for threads in (1, 3):
+        _publish(tmp_path / str(threads), steps, encode_threads=threads, codec=codec_config)
+        trees[threads] = _snapshot_files(tmp_path / str(threads))
+    assert trees[1] == trees[3]
+    store = FileStore(tmp_path / "3")
+    deltas = [m for m in await ChainReader(store).list() if m.kind == "delta"]
+    assert len(deltas) == 3
+    for m in deltas:
+        by_name = {t.name: t for t in m.tensors}
+        assert by_name["frozen.weight"].encoding == "same"
+        shard = (tmp_path / "3" / store_keys.shard_key(m.snapshot_id, m.shards[0].name)).read_bytes()
+        methods = {name: shard[by_name[name].offset + 4] for name in ("embed.weight", "layers.0.w", "norm.weight")}
+        assert methods == {"embed.weight": 3, "layers.0.w": 3, "norm.weight": 1}, methods
+    for i, expected in enumerate(steps):
+        assert_state_equal((await rebuild(store, f"step-{i:010d}"))[1], expected)
 
 
 def test_encode_threads_default_and_bounds(tmp_path) -> None:

@@ -18,6 +18,7 @@ from types import ModuleType
 
 import numpy as np
 
+from ..dtypes import DTYPE_SIZES
 from ..errors import ConfigError, CorruptDataError
 from ..manifest import Encoding
 from . import v1
@@ -48,12 +49,17 @@ class CodecConfig:
     #: fast and payloads ~4-5% larger at lr 1e-5 (about the same at 1e-6). Measured on
     #: benchmarks/codec_bench.py's corpora: benchmarks/README.md, "Encoder levels".
     level: int = 2
+    #: Codec v2: a tensor of at least twice this many elements is coded in parts of about this
+    #: many (whole rows each), which threads encode and decode together (2^23: 16 MiB of bf16).
+    part_elements: int = 1 << 23
 
     def __post_init__(self) -> None:
         if self.version not in _MAGICS.values():
             raise ConfigError(f"unknown codec version {self.version} (known: {sorted(_MAGICS.values())})")
         if self.level not in LEVELS:
             raise ConfigError(f"unknown codec level {self.level} (known: {sorted(LEVELS)})")
+        if self.part_elements < 1:
+            raise ConfigError(f"part_elements must be at least 1, not {self.part_elements}")
 
 
 DEFAULT_CONFIG = CodecConfig()
@@ -122,7 +128,49 @@ def encode_tensor_delta(
         config.zstd_level,
         config.dense_fraction,
         config.predict_signs and config.level >= 2,
+        part_elements=config.part_elements,
     )
+
+
+def tensor_parts(
+    n_elements: int, shape: tuple[int, ...] | None, config: CodecConfig = DEFAULT_CONFIG
+) -> list[tuple[int, int]]:
+    """The element ranges :func:`encode_tensor_delta` codes a tensor in (one range: in one
+    piece): a caller with threads encodes each with :func:`encode_part` and joins them with
+    :func:`join_parts`, for the same payload byte for byte."""
+    if config.version == 1:
+        return [(0, n_elements)]
+    return _v2().split_ranges(n_elements, tuple(shape) if shape else None, config.part_elements)
+
+
+def encode_part(
+    old: np.ndarray,
+    new: np.ndarray,
+    dtype: str,
+    part: tuple[int, int],
+    config: CodecConfig = DEFAULT_CONFIG,
+    shape: tuple[int, ...] | None = None,
+) -> bytes:
+    """The payload of elements ``part`` (start, stop) of a tensor, one of :func:`tensor_parts`."""
+    v2 = _v2()
+    if dtype not in DTYPE_SIZES:
+        raise ConfigError(f"unknown dtype {dtype!r}")
+    width, (start, stop) = DTYPE_SIZES[dtype], part
+    return v2.encode_delta(
+        raw_bytes(old, "old")[start * width : stop * width],
+        raw_bytes(new, "new")[start * width : stop * width],
+        dtype,
+        v2.part_shape(tuple(shape) if shape else None, start, stop),
+        config.zstd_level,
+        config.dense_fraction,
+        config.predict_signs and config.level >= 2,
+        part_elements=None,
+    )
+
+
+def join_parts(dtype: str, parts: list[tuple[int, bytes]]) -> bytes:
+    """One payload of the parts' payloads, (elements, payload) in order (:func:`tensor_parts`)."""
+    return _v2().join_parts(dtype, parts)
 
 
 # --------------------------------------------------------------------------- decoder

@@ -103,6 +103,32 @@ def decode(old: bytes | None, payload: bytes, dtype: str) -> bytes:
         raise Bad("header")
     nbytes = len(old) if old is not None else None
     n = rd.varint((nbytes // size) if nbytes is not None else 2**62)
+    if method == 3:
+        if flags:
+            raise Bad("split flags")
+        count = rd.varint(min(n, 65536))
+        if count < 2:
+            raise Bad("split parts")
+        table = [(rd.varint(n), rd.varint(len(payload))) for _ in range(count)]
+        if sum(e for e, _ in table) != n or any(e == 0 for e, _ in table):
+            raise Bad("split elements")
+        if sum(length for _, length in table) != len(payload) - rd.pos:
+            raise Bad("split lengths")
+        parts = [rd.take(length) for _, length in table]
+        for part in parts:
+            if len(part) < 8 or part[:4] != b"DSC2" or part[4] not in (0, 1, 2) or part[5] != size:
+                raise Bad("split part")
+        out, first = bytearray(), 0
+        for (elements, _), part in zip(table, parts):
+            before = old[first * size : (first + elements) * size] if old is not None else None
+            if before is None and part[4] != 0:
+                raise Bad("split part needs the previous tensor")
+            rebuilt = decode(before, part, dtype)
+            if len(rebuilt) != elements * size:
+                raise Bad("split part size")
+            out += rebuilt
+            first += elements
+        return bytes(out)
     if method in (0, 2):
         planes = []
         for _ in range(size):

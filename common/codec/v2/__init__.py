@@ -42,17 +42,28 @@ warm-up), :mod:`.jit` (numba setup).
 
 from __future__ import annotations
 
-from .decoder import decode_into, full_payload_nbytes, payload_is_delta
-from .encoder import CLASS_COST, ZSTD_LEVEL, encode_delta, encode_full
+from .decoder import decode_into, full_payload_nbytes, payload_is_delta, split_parts
+from .encoder import (
+    CLASS_COST,
+    PART_ELEMENTS,
+    ZSTD_LEVEL,
+    encode_delta,
+    encode_full,
+    join_parts,
+    part_shape,
+    split_ranges,
+)
 from .samples import warm_up
-from .wire import FLAG_SIGN_MODEL, FLOATS, MAGIC, METHOD_FULL, METHOD_ULP, METHOD_XOR
+from .wire import FLAG_SIGN_MODEL, FLOATS, MAGIC, METHOD_FULL, METHOD_SPLIT, METHOD_ULP, METHOD_XOR
 
 __all__ = [
     "CLASS_COST",
+    "PART_ELEMENTS",
     "FLAG_SIGN_MODEL",
     "FLOATS",
     "MAGIC",
     "METHOD_FULL",
+    "METHOD_SPLIT",
     "METHOD_ULP",
     "METHOD_XOR",
     "ZSTD_LEVEL",
@@ -60,6 +71,10 @@ __all__ = [
     "encode_delta",
     "encode_full",
     "full_payload_nbytes",
+    "join_parts",
+    "part_shape",
     "payload_is_delta",
+    "split_parts",
+    "split_ranges",
     "warm_up",
 ]

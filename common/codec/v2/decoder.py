@@ -19,7 +19,9 @@ from .wire import (
     FLAG_SIGN_MODEL,
     FLOATS,
     MAGIC,
+    MAX_PARTS,
     METHOD_FULL,
+    METHOD_SPLIT,
     METHOD_ULP,
     METHOD_XOR,
     UINT,
@@ -152,11 +154,45 @@ def _apply_ulp_with(
     return err
 
 
+def split_parts(payload: Payload, max_elements: int = 1 << 62) -> list[tuple[int, int, memoryview]]:
+    """The parts of a split payload (method 3), as (first element, elements, payload), validated
+    against each other and the payload's length (at most ``max_elements`` in all), not decoded.
+    Every part must be a payload of method 0, 1 or 2 of the same element size."""
+    view = payload_view(payload).cast("B")
+    if len(view) < 8 or bytes(view[:4]) != MAGIC or view[4] != METHOD_SPLIT:
+        raise CorruptDataError("not a v2 split payload")
+    if view[6]:
+        raise CorruptDataError(f"unknown payload flags {view[6]:#x}")
+    rd = Reader(view)
+    rd.p = 7
+    n = rd.varint(max_elements, "n_elements")
+    k = rd.varint(min(n, MAX_PARTS), "parts")
+    if k < 2:
+        raise CorruptDataError(f"a split payload of {k} part(s)")
+    sizes = [(rd.varint(n, "part elements"), rd.varint(len(view), "part length")) for _ in range(k)]
+    if sum(count for count, _ in sizes) != n or any(count == 0 for count, _ in sizes):
+        raise CorruptDataError("the parts of a split payload do not add up to its elements")
+    if sum(length for _, length in sizes) != len(view) - rd.p:
+        raise CorruptDataError("the parts of a split payload do not add up to its length")
+    parts, first = [], 0
+    for count, length in sizes:
+        part = rd.take(length, "a part")
+        if len(part) < 8 or bytes(part[:4]) != MAGIC or part[5] != view[5]:
+            raise CorruptDataError("a part of a split payload is not a v2 payload of the same element size")
+        if part[4] not in (METHOD_FULL, METHOD_ULP, METHOD_XOR):
+            raise CorruptDataError(f"a part of a split payload has method {part[4]}")
+        parts.append((first, count, part))
+        first += count
+    return parts
+
+
 def payload_is_delta(payload: Payload) -> bool:
-    """Whether a v2 payload needs the previous tensor."""
+    """Whether a v2 payload needs the previous tensor (a split one: whether any part does)."""
     view = payload_view(payload)
     if len(view) < 8 or bytes(view[:4]) != MAGIC:
         raise CorruptDataError("bad v2 payload magic")
+    if view[4] == METHOD_SPLIT:
+        return any(part[4] != METHOD_FULL for _, _, part in split_parts(view))
     if view[4] not in (METHOD_FULL, METHOD_ULP, METHOD_XOR):
         raise CorruptDataError(f"unknown v2 payload method {view[4]}")
     return view[4] != METHOD_FULL
@@ -166,6 +202,8 @@ def full_payload_nbytes(payload: Payload) -> int:
     """The tensor size a v2 full payload rebuilds, from its header (planes validated, not decoded)."""
     view = payload_view(payload).cast("B")
     if not payload_is_delta(view) and view[5] in UINT:
+        if view[4] == METHOD_SPLIT:
+            return sum(full_payload_nbytes(part) for _, _, part in split_parts(view))
         rd = Reader(view)
         rd.p = 7
         n = rd.varint(1 << 62, "n_elements")
@@ -189,6 +227,17 @@ def decode_into(out: np.ndarray, payload: Payload, dtype: str) -> None:
     if dtype not in DTYPE_SIZES:
         raise CorruptDataError(f"unknown dtype {dtype!r}")
     width = DTYPE_SIZES[dtype]
+    if view[4] == METHOD_SPLIT:  # every part's framing is checked before any part is decoded
+        if view[5] != width:
+            raise CorruptDataError(f"payload element size {view[5]} does not match {dtype}")
+        if out.size % width:
+            raise CorruptDataError("expected byte count is not a whole number of elements")
+        parts = split_parts(view, out.size // width)
+        if sum(count for _, count, _ in parts) * width != out.size:
+            raise CorruptDataError(f"payload rebuilds {sum(c for _, c, _ in parts) * width} bytes, expected {out.size}")
+        for first, count, part in parts:
+            decode_into(out[first * width : (first + count) * width], part, dtype)
+        return
     rd = Reader(view)
     rd.p = 4
     method, pwidth, flags = rd.u8(), rd.u8(), rd.u8()

@@ -26,7 +26,9 @@ from .wire import (
     FLAG_SIGN_MODEL,
     FLIP_STREAMS,
     FLOATS,
+    MAX_PARTS,
     METHOD_FULL,
+    METHOD_SPLIT,
     METHOD_ULP,
     METHOD_XOR,
     UINT,
@@ -50,6 +52,43 @@ FULL_TRY_BELOW = 4
 #: plans 1.1x as fast as 25 for payloads 0.1-0.3% smaller and the same rebuild speed (4 gives no
 #: more; benchmarks/README.md, "Encoder levels").
 MAX_CLASS_SPAN = 8
+
+
+#: Tensors of at least twice this many elements are encoded in parts of about this many (whole
+#: rows of the last dimension), so that threads share one large tensor: 2^23 bf16 elements are
+#: 16 MiB; a part's own headers (class records, tables, a sign model's column codes) cost well under
+#: 1% of its payload at RL deltas' sizes.
+PART_ELEMENTS = 1 << 23
+
+
+def split_ranges(n: int, shape: tuple[int, ...] | None, part_elements: int = PART_ELEMENTS) -> list[tuple[int, int]]:
+    """The element ranges a tensor of ``n`` elements is encoded in: one range below
+    ``2 * part_elements``, else about ``part_elements`` each, cut between rows of ``shape``'s last
+    dimension (every range holds whole rows)."""
+    if part_elements < 1:
+        raise ConfigError(f"part_elements must be at least 1, not {part_elements}")
+    row = int(shape[-1]) if shape and len(shape) >= 2 and int(np.prod(shape)) == n and shape[-1] > 0 else 1
+    rows = n // row
+    k = min(rows, n // part_elements, MAX_PARTS)
+    if k < 2:
+        return [(0, n)]
+    cuts = [row * (rows * i // k) for i in range(k + 1)]
+    return list(zip(cuts[:-1], cuts[1:], strict=True))
+
+
+def part_shape(shape: tuple[int, ...] | None, start: int, stop: int) -> tuple[int, ...] | None:
+    """The shape of elements ``start:stop`` of a tensor of ``shape`` (rows of its last dimension)."""
+    if not shape or len(shape) < 2 or shape[-1] <= 0:
+        return None
+    return ((stop - start) // int(shape[-1]), int(shape[-1]))
+
+
+def join_parts(dtype: str, parts: list[tuple[int, bytes]]) -> bytes:
+    """One split payload (method 3) of ``parts``: (elements, payload) of consecutive ranges."""
+    width = _width(dtype, 0)
+    n = sum(count for count, _ in parts)
+    table = varint(len(parts)) + b"".join(varint(count) + varint(len(payload)) for count, payload in parts)
+    return header(METHOD_SPLIT, width, n) + table + b"".join(payload for _, payload in parts)
 
 
 def _width(dtype: str, nbytes: int) -> int:
@@ -285,8 +324,12 @@ def encode_delta(
     dense_fraction: float = 0.125,
     predict_signs: bool = True,
     class_cost: float = CLASS_COST,
+    part_elements: int | None = PART_ELEMENTS,
 ) -> bytes:
     """A payload that rebuilds ``new`` from ``old`` (raw bytes of ``dtype``, same size).
+
+    A tensor of at least twice ``part_elements`` elements is encoded in parts (:func:`split_ranges`,
+    one after the other here; the publisher encodes them on threads); None: in one piece.
 
     ``shape`` (optional) is the tensor's shape: rows of its last dimension that do not change at
     all are then flagged instead of coded element by element. When more than ``dense_fraction``
@@ -300,6 +343,26 @@ def encode_delta(
         raise ConfigError(f"old has {old.size} bytes, new has {new.size}")
     width = _width(dtype, new.size)
     n = new.size // width
+    ranges = split_ranges(n, shape, part_elements) if part_elements else [(0, n)]
+    if len(ranges) > 1:
+        parts = [
+            (
+                stop - start,
+                encode_delta(
+                    old[start * width : stop * width],
+                    new[start * width : stop * width],
+                    dtype,
+                    part_shape(shape, start, stop),
+                    zstd_level,
+                    dense_fraction,
+                    predict_signs,
+                    class_cost,
+                    None,
+                ),
+            )
+            for start, stop in ranges
+        ]
+        return join_parts(dtype, parts)
     if dtype in FLOATS:
         payload, n_changed = _encode_ulp(
             readonly(old, UINT[width]), readonly(new, UINT[width]), dtype, shape, predict_signs, class_cost

@@ -11,6 +11,11 @@ from ..zstd_frames import check_frame, decompress_exact
 
 MAGIC = b"DSC2"
 METHOD_FULL, METHOD_ULP, METHOD_XOR = 0, 1, 2
+#: A payload in parts: consecutive element ranges of the tensor, each a whole payload of its own
+#: (method 0, 1 or 2), so that threads encode and decode one large tensor together.
+METHOD_SPLIT = 3
+#: At most this many parts in a split payload (a bound on the decoder's table, whatever the size).
+MAX_PARTS = 1 << 16
 #: Payload flag (header byte 6) of a ULP payload whose signs are predicted (:mod:`.sign_model`).
 FLAG_SIGN_MODEL = 1
 #: dtype -> (bytes, mantissa bits, exponent bits) of the floats coded as ULP deltas
