@@ -2,7 +2,7 @@
 and ``delta-swap publish`` per step with and without its head cache.
 
     PYTHONPATH=$(bash scripts/import_root.sh):. python -m benchmarks.publish_parallel [--layers 4] [--steps 3]
-        [--ranks 2] [--load N]
+        [--ranks 2] [--load N] [--vocab 151936]
 
 A synthetic Llama-shaped bf16 model (hidden 1024, MLP 2816, vocab 8192; ``--layers 4`` is ~124 MB)
 is trained by an Adam-like update of fp32 master weights (every element moves by about ``--lr``,
@@ -13,6 +13,8 @@ benchmarks/rl_corpus.py). Step 0 is published as a base (not timed); each later 
   commit), once per ``encode_threads`` value, each in a process of its own so that its peak RSS
   (``VmHWM``) is its own; then "queued": every step published at once and flushed at the end (a
   trainer ahead of its publisher), so that the next step encodes while the previous one uploads;
+  where a tensor is large enough to be coded in parts (``--vocab 151936``: the embeddings), also
+  with every tensor in one piece ("whole tensors"), so the parts' gain shows in the same run;
 * cli: ``python -m delta_swap.cli publish <checkpoint folder>`` per step, a process each (Python
   start, imports, reading the folder, the head, encode, upload, commit), with ``--no-head-cache``
   (the head is rebuilt from the store every step) and with a head cache; then ``delta-swap watch``
@@ -51,6 +53,7 @@ import numpy as np
 import torch
 
 from benchmarks.machine import cpu_flags
+from delta_swap.codec import CodecConfig
 
 HIDDEN, INTERMEDIATE, VOCAB = 1024, 2816, 8192
 
@@ -123,19 +126,24 @@ _CLI_WRAPPER = (
 )
 
 
-def measure_library(shapes: dict, steps: int, threads: int, lr: float, work: Path, queued: bool = False) -> dict:
+def measure_library(
+    shapes: dict, steps: int, threads: int, lr: float, work: Path, queued: bool = False, whole: bool = False
+) -> dict:
     """Seconds per delta step of ``Publisher`` on ``threads`` encode threads, payload bytes, RSS.
     Each step is flushed before the next, or with ``queued`` every step is published at once
-    (made beforehand) and flushed at the end: the next step then encodes while one uploads."""
+    (made beforehand) and flushed at the end: the next step then encodes while one uploads.
+    ``whole``: every tensor in one piece (no parts for the threads to share)."""
     if queued:
         return _measure_queued(shapes, steps, threads, lr, work)
+    from delta_swap.codec import CodecConfig
     from delta_swap.publisher import Publisher, PublisherConfig
 
     store = work / f"library-{threads}"
     shutil.rmtree(store, ignore_errors=True)
     trainer = SyntheticTrainer(shapes, lr)
     seconds, payload = [], []
-    with Publisher(str(store), PublisherConfig(base_every=10_000, encode_threads=threads)) as pub:
+    codec = CodecConfig(part_elements=1 << 62) if whole else CodecConfig()
+    with Publisher(str(store), PublisherConfig(base_every=10_000, encode_threads=threads, codec=codec)) as pub:
         pub.publish(0, trainer.state())
         pub.flush()
         rss_before = _rss_mb()
@@ -150,7 +158,7 @@ def measure_library(shapes: dict, steps: int, threads: int, lr: float, work: Pat
             payload.append(pub.last_manifest.payload_bytes)
             del state
     return {
-        "mode": "library",
+        "mode": "library, whole tensors" if whole else "library",
         "threads": threads,
         "seconds": seconds,
         "payload_bytes": payload,
@@ -454,6 +462,9 @@ def summarize(rows: list[dict]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=4, help="decoder layers (4: ~124 MB of bf16)")
+    parser.add_argument(
+        "--vocab", type=int, default=VOCAB, help="vocabulary (151936, Qwen's: embeddings in parts, a row without)"
+    )
     parser.add_argument("--steps", type=int, default=3, help="timed delta steps per configuration")
     parser.add_argument("--lr", type=float, default=1e-5, help="Adam-like step size of the master weights")
     parser.add_argument("--threads", type=int, nargs="+", help="encode threads to compare (default: 1 and all cores)")
@@ -462,11 +473,12 @@ def main() -> None:
     parser.add_argument("--workdir")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)  # one library run, as JSON
     parser.add_argument("--queued", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--whole", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    shapes = model_shapes(args.layers)
+    shapes = model_shapes(args.layers, vocab=args.vocab)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="delta-swap-parallel-"))
     if args.child is not None:
-        print(json.dumps(measure_library(shapes, args.steps, args.child, args.lr, work, args.queued)))
+        print(json.dumps(measure_library(shapes, args.steps, args.child, args.lr, work, args.queued, args.whole)))
         return
     load_procs = start_load(args.load)
     try:
@@ -493,17 +505,13 @@ def _run(args: argparse.Namespace, shapes: dict, work: Path) -> None:
         flush=True,
     )
     rows = []
-    runs = [(threads, False) for threads in args.threads or sorted({1, _cores()})] + [(_cores(), True)]
-    for threads, queued in runs:
-        cmd = [
-            sys.executable,
-            "-m",
-            "benchmarks.publish_parallel",
-            "--child",
-            str(threads),
-            *(["--queued"] if queued else []),
-        ]
-        cmd += ["--layers", str(args.layers), "--steps", str(args.steps), "--lr", str(args.lr), "--workdir", str(work)]
+    runs = [(threads, "") for threads in args.threads or sorted({1, _cores()})] + [(_cores(), "--queued")]
+    if max(int(np.prod(s)) for s in shapes.values()) >= 2 * CodecConfig().part_elements:  # parts against none
+        runs.append((_cores(), "--whole"))
+    for threads, flag in runs:
+        cmd = [sys.executable, "-m", "benchmarks.publish_parallel", "--child", str(threads), *([flag] if flag else [])]
+        cmd += ["--layers", str(args.layers), "--vocab", str(args.vocab), "--steps", str(args.steps)]
+        cmd += ["--lr", str(args.lr), "--workdir", str(work)]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=3600).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
         print(summarize(rows)[-1], flush=True)

@@ -20,6 +20,8 @@ def test_library_rows_store_the_same_payload_on_any_thread_count(tmp_path) -> No
     assert all(len(r["seconds"]) == 2 and r["peak_rss_mb"] > 0 for r in rows)
     queued = bench.measure_library(SHAPES, 2, 2, 1e-4, tmp_path, queued=True)
     assert queued["payload_bytes"] == rows[0]["payload_bytes"] and queued["mode"] == "library, queued"
+    whole = bench.measure_library(SHAPES, 2, 2, 1e-4, tmp_path, whole=True)  # tensors this small: no parts anyway
+    assert whole["payload_bytes"] == rows[0]["payload_bytes"] and whole["mode"] == "library, whole tensors"
     header, *lines = bench.summarize(rows)
     assert "s/step" in header and "peak RSS MB" in header
     assert [line.split()[:2] for line in lines] == [["library", "1"], ["library", "2"]]
