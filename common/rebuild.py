@@ -8,7 +8,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,11 +98,12 @@ def apply_snapshot(
     meter = meter or Meter()
     check_applicable(prev, manifest, out)
 
-    def rebuild_one(t: TensorEntry) -> HostTensor:
-        payload = None if t.shard is None else shards[t.shard][t.offset : t.offset + t.length]
-        return rebuild_tensor(manifest, t, payload, prev, out)
-
     with ThreadPoolExecutor(threads or decode_threads(), thread_name_prefix="delta-swap-decode") as pool:
+
+        def rebuild_one(t: TensorEntry) -> HostTensor:
+            payload = None if t.shard is None else shards[t.shard][t.offset : t.offset + t.length]
+            return rebuild_tensor(manifest, t, payload, prev, out, pool)
+
         t0 = time.perf_counter()
         rebuilt = list(pool.map(rebuild_one, manifest.tensors))
         t1 = time.perf_counter()
@@ -129,10 +130,16 @@ def check_applicable(prev: StateDict | None, manifest: Manifest, out: StateDict 
 
 
 def rebuild_tensor(
-    manifest: Manifest, t: TensorEntry, payload: np.ndarray | None, prev: StateDict | None, out: StateDict | None
+    manifest: Manifest,
+    t: TensorEntry,
+    payload: np.ndarray | None,
+    prev: StateDict | None,
+    out: StateDict | None,
+    executor: Executor | None = None,
 ) -> HostTensor:
     """Tensor ``t`` of ``manifest`` from its ``payload`` (None for an unchanged one) and its previous
-    value; written into ``out[t.name]`` when ``out`` is given (see :func:`apply_snapshot`)."""
+    value; written into ``out[t.name]`` when ``out`` is given (see :func:`apply_snapshot`). The
+    parts of a large tensor's payload decode on ``executor``'s threads, if given."""
     old = prev.get(t.name) if prev is not None else None
     dest = None if out is None else out[t.name]
     if t.encoding is Encoding.SAME:
@@ -151,14 +158,17 @@ def rebuild_tensor(
         method = codec.payload_method(payload)
         if t.encoding is Encoding.DELTA and method is not Encoding.DELTA:
             raise CorruptDataError("marked delta but is not")
-        if dest is None:
-            return HostTensor(t.dtype, t.shape, codec.decode(old.data if old else None, payload, t.dtype, t.nbytes))
-        if method is Encoding.DELTA:
-            if old is None:
-                raise CorruptDataError("delta payload but no previous tensor to apply it to")
-            if not np.shares_memory(dest.data, old.data):
-                dest.data[:] = old.data
-        codec.decode_into(dest.data, payload, t.dtype)
+        if method is Encoding.DELTA and old is None:
+            raise CorruptDataError("delta payload but no previous tensor to apply it to")
+        if method is Encoding.DELTA and old.nbytes != t.nbytes:
+            raise CorruptDataError(f"previous tensor has {old.nbytes} bytes, delta expects {t.nbytes}")
+        if dest is None:  # a new buffer: the previous bytes for a delta to apply to
+            dest = HostTensor(
+                t.dtype, t.shape, old.data.copy() if method is Encoding.DELTA else np.empty(t.nbytes, np.uint8)
+            )
+        elif method is Encoding.DELTA and not np.shares_memory(dest.data, old.data):
+            dest.data[:] = old.data
+        codec.decode_into(dest.data, payload, t.dtype, executor)
         return dest
     except CorruptDataError as exc:
         raise CorruptDataError(f"{manifest.snapshot_id}: tensor {t.name}: {exc}") from None

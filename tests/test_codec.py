@@ -4,6 +4,7 @@ stored v1 payloads that must keep decoding bit-exact, and rejection of crafted p
 from __future__ import annotations
 
 import struct
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -707,6 +708,14 @@ def test_large_tensors_are_coded_in_parts_that_threads_can_share(rng, dtype: str
     payload = codec.encode_tensor_delta(old, new, dtype, config, shape=shape)
     assert payload[4] == v2.METHOD_SPLIT and codec.payload_method(payload).value == "delta"
     assert np.array_equal(codec.decode(old, payload, dtype, old.size), new)
+    with ThreadPoolExecutor(2) as pool:  # the parts on threads, as apply_snapshot decodes them
+        out = old.copy()
+        codec.decode_into(out, payload, dtype, pool)
+        assert np.array_equal(out, new)
+        (_, c0, p0), (_, c1, p1), (_, c2, p2) = v2.split_parts(payload)
+        shifted = codec.join_parts(dtype, [(c0, bytes(p0)), (c1 + 1, bytes(p1)), (c2 - 1, bytes(p2))])
+        with pytest.raises(CorruptDataError, match="rebuilds"):  # found by a part decoding on a thread
+            codec.decode_into(old.copy(), shifted, dtype, pool)
     joined = codec.join_parts(
         dtype, [(b - a, codec.encode_part(old, new, dtype, (a, b), config, shape)) for a, b in parts]
     )

@@ -13,6 +13,7 @@ kernels are JIT-compiled once per machine and cached on disk; :func:`warm_up` co
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -183,19 +184,20 @@ def payload_method(payload: Payload) -> Encoding:
     return Encoding.DELTA if _v2().payload_is_delta(payload) else Encoding.FULL
 
 
-def decode_into(out: np.ndarray, payload: Payload, dtype: str) -> None:
+def decode_into(out: np.ndarray, payload: Payload, dtype: str, executor: Executor | None = None) -> None:
     """Rebuild a tensor in place: ``out`` (raw bytes of ``dtype``) holds the previous tensor for a
     delta payload (anything for a full one) and receives the new bytes.
 
     Header, counts, lengths and tables are validated before ``out`` is written; a crafted payload
     raises CorruptDataError (if it is only found while applying a v2 delta, ``out`` is then partly
     rewritten: callers verify the checksum of what they rebuild, or discard ``out``).
+    A payload of a large tensor in parts decodes them on ``executor``'s threads, if given.
     """
     out = raw_bytes(out, "out")
     if payload_version(payload) == 1:
         v1.decode_into(out, payload, dtype)
     else:
-        _v2().decode_into(out, payload, dtype)
+        _v2().decode_into(out, payload, dtype, executor)
 
 
 def decode_full(payload: Payload, dtype: str, nbytes: int) -> np.ndarray:

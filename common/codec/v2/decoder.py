@@ -3,8 +3,11 @@ with pooled scratch buffers."""
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
 
 import numpy as np
 
@@ -154,6 +157,25 @@ def _apply_ulp_with(
     return err
 
 
+def _run_all(jobs: list[Callable[[], None]], executor: Executor | None) -> None:
+    """Run every job, the first here and the rest on ``executor`` if given; a job no thread has
+    started yet runs here instead. Raises the first job's error, after every job has ended."""
+    futures: list[Future[None] | None] = [None] * len(jobs)
+    if executor is not None:
+        futures[1:] = [executor.submit(job) for job in jobs[1:]]
+    errors: list[BaseException] = []
+    for job, future in zip(jobs, futures, strict=True):
+        try:
+            if future is None or future.cancel():
+                job()
+            else:
+                future.result()
+        except BaseException as exc:  # every part must have ended before ``out`` is given back
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
 def split_parts(payload: Payload, max_elements: int = 1 << 62) -> list[tuple[int, int, memoryview]]:
     """The parts of a split payload (method 3), as (first element, elements, payload), validated
     against each other and the payload's length (at most ``max_elements`` in all), not decoded.
@@ -212,9 +234,11 @@ def full_payload_nbytes(payload: Payload) -> int:
     raise CorruptDataError("not a v2 full payload")
 
 
-def decode_into(out: np.ndarray, payload: Payload, dtype: str) -> None:
+def decode_into(out: np.ndarray, payload: Payload, dtype: str, executor: Executor | None = None) -> None:
     """Rebuild a tensor in place: ``out`` (raw bytes of ``dtype``) holds the previous tensor for a
-    delta payload (anything for a full one) and receives the new bytes.
+    delta payload (anything for a full one) and receives the new bytes. The parts of a split
+    payload decode on ``executor``'s threads where one is given (the calling thread decodes those
+    no thread has started, so a caller that is itself one of its threads never waits on a queue).
 
     The payload's header, counts, lengths and tables are validated before ``out`` is written;
     errors found during the pass (values that do not add up) raise CorruptDataError after part of
@@ -235,8 +259,8 @@ def decode_into(out: np.ndarray, payload: Payload, dtype: str) -> None:
         parts = split_parts(view, out.size // width)
         if sum(count for _, count, _ in parts) * width != out.size:
             raise CorruptDataError(f"payload rebuilds {sum(c for _, c, _ in parts) * width} bytes, expected {out.size}")
-        for first, count, part in parts:
-            decode_into(out[first * width : (first + count) * width], part, dtype)
+        jobs = [functools.partial(decode_into, out[f * width : (f + c) * width], part, dtype) for f, c, part in parts]
+        _run_all(jobs, executor)
         return
     rd = Reader(view)
     rd.p = 4
