@@ -70,6 +70,12 @@ def inplace_possible(
     scratch copies: no element may differ."""
     if served.checkpoint_dir is None:
         return False, "the served checkpoint is not a local folder"
+    empty = next((name for name, param in model.named_parameters() if not param.numel()), None)
+    if empty is not None:  # vLLM's CPU linears after oneDNN / AMX repacking: the weights live in the kernel
+        return (
+            False,
+            f"the engine holds {empty} in another form than the checkpoint (an empty parameter: packed for a kernel)",
+        )
     started = time.perf_counter()
     try:
         with context(), torch.inference_mode():

@@ -130,6 +130,9 @@ def test_in_place_is_possible_only_where_parameters_hold_the_checkpoint_elements
         False,
         "the served checkpoint is not a local folder",
     )
+    model.b = torch.nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)  # vLLM's AMX-packed linears
+    possible, reason = inplace_possible(model, served, {}, default_loader)
+    assert not possible and "holds b in another form" in reason and "empty parameter" in reason
 
 
 def test_the_check_at_start_stops_at_the_first_module_held_in_another_form() -> None:
