@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import statistics
@@ -156,7 +157,7 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    fig, ax = plt.subplots(figsize=(11, 4.8))
     colors = {"vllm": "tab:blue", "sglang": "tab:orange"}
     styles = iter(["o-", "D-", "v-", "P-"] * 4)
 
@@ -208,7 +209,7 @@ def plot_sweep(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    fig, ax = plt.subplots(figsize=(11, 4.8))
     styles = iter(["o-", "D-", "v-", "P-", "s-", "^-"] * 4)
 
     def key(r: dict) -> tuple:
@@ -240,9 +241,10 @@ def _finish(fig: Any, ax: Any, path: Path, xlabel: str, title: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("seconds without generation per update")
-    ax.set_title(title.format(where="CPU, 2 cores" if device() == "cpu" else "one GPU"), fontsize=9)
+    where = f"CPU with {cpu_flags().split('; ')[-1]}, {os.cpu_count()} cores" if device() == "cpu" else "one GPU"
+    ax.set_title(title.format(where=where), fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
