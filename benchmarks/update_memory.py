@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import tempfile
 import threading
 import time
@@ -78,6 +79,8 @@ def _warm(url: str) -> None:
 def measure(engine: str, size: str, work: Path, updates: int) -> dict:
     model = make_model(work / "models", size)
     run = work / f"{engine}-{size}"
+    for folder in ("plain", "plugin"):  # fresh servers: a reused folder's freshness record would refuse the new base
+        shutil.rmtree(run / folder, ignore_errors=True)
     with engine_server(engine, model, run / "plain", store=None, wait=False) as server:
         with Sampler(server.proc.pid) as plain_start:
             server.wait_healthy(900)

@@ -158,16 +158,17 @@ def rebuild_tensor(
         method = codec.payload_method(payload)
         if t.encoding is Encoding.DELTA and method is not Encoding.DELTA:
             raise CorruptDataError("marked delta but is not")
-        if method is Encoding.DELTA and old is None:
-            raise CorruptDataError("delta payload but no previous tensor to apply it to")
-        if method is Encoding.DELTA and old.nbytes != t.nbytes:
-            raise CorruptDataError(f"previous tensor has {old.nbytes} bytes, delta expects {t.nbytes}")
-        if dest is None:  # a new buffer: the previous bytes for a delta to apply to
-            dest = HostTensor(
-                t.dtype, t.shape, old.data.copy() if method is Encoding.DELTA else np.empty(t.nbytes, np.uint8)
-            )
-        elif method is Encoding.DELTA and not np.shares_memory(dest.data, old.data):
-            dest.data[:] = old.data
+        base = None  # the previous bytes a delta applies to
+        if method is Encoding.DELTA:
+            if old is None:
+                raise CorruptDataError("delta payload but no previous tensor to apply it to")
+            if old.nbytes != t.nbytes:
+                raise CorruptDataError(f"previous tensor has {old.nbytes} bytes, delta expects {t.nbytes}")
+            base = old.data
+        if dest is None:  # a new buffer
+            dest = HostTensor(t.dtype, t.shape, base.copy() if base is not None else np.empty(t.nbytes, np.uint8))
+        elif base is not None and not np.shares_memory(dest.data, base):
+            dest.data[:] = base
         codec.decode_into(dest.data, payload, t.dtype, executor)
         return dest
     except CorruptDataError as exc:

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .host_memory import release_free_heap
 from .inplace import ElementChanges, UndoLog, element_changes, save_old_values, scatter
 from .served_model import ServedModel
 from .shadow import ShadowBuild, ShadowEngine, ShadowUnsupported, build_shadows
@@ -219,6 +220,8 @@ class StagedSwap:
         if staging is not None:
             staging.cancel()
             wait([staging])
+            del staging  # the old modules (or values) go with it: their pages back to the system
+            release_free_heap()
 
     def shutdown(self) -> None:
         self._stager.shutdown(wait=False, cancel_futures=True)

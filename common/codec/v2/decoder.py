@@ -259,7 +259,9 @@ def decode_into(out: np.ndarray, payload: Payload, dtype: str, executor: Executo
         parts = split_parts(view, out.size // width)
         if sum(count for _, count, _ in parts) * width != out.size:
             raise CorruptDataError(f"payload rebuilds {sum(c for _, c, _ in parts) * width} bytes, expected {out.size}")
-        jobs = [functools.partial(decode_into, out[f * width : (f + c) * width], part, dtype) for f, c, part in parts]
+        jobs: list[Callable[[], None]] = [
+            functools.partial(decode_into, out[f * width : (f + c) * width], part, dtype) for f, c, part in parts
+        ]
         _run_all(jobs, executor)
         return
     rd = Reader(view)
