@@ -45,6 +45,7 @@ from . import codec, codec_warm_up, head_cache, store_keys
 from .chain import ChainReader
 from .checksum import checksum, sha256
 from .commit import Part, commit, try_commit, write_part
+from .dtypes import dtype_size
 from .errors import (
     ChainError,
     ConfigError,
@@ -712,7 +713,7 @@ def _checksum_and_changed(old: HostTensor, new: HostTensor) -> tuple[str, bool]:
 def _encode_changed_part(
     old: HostTensor, new: HostTensor, part: tuple[int, int], config: codec.CodecConfig
 ) -> bytes | None:
-    width = new.nbytes // max(1, math.prod(new.shape))
+    width = dtype_size(new.dtype)
     start, stop = part[0] * width, part[1] * width
     if np.array_equal(old.data[start:stop], new.data[start:stop]):
         return None

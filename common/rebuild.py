@@ -158,17 +158,14 @@ def rebuild_tensor(
         method = codec.payload_method(payload)
         if t.encoding is Encoding.DELTA and method is not Encoding.DELTA:
             raise CorruptDataError("marked delta but is not")
-        base = None  # the previous bytes a delta applies to
+        if dest is None:
+            rebuilt = codec.decode(old.data if old else None, payload, t.dtype, t.nbytes, executor)
+            return HostTensor(t.dtype, t.shape, rebuilt)
         if method is Encoding.DELTA:
             if old is None:
                 raise CorruptDataError("delta payload but no previous tensor to apply it to")
-            if old.nbytes != t.nbytes:
-                raise CorruptDataError(f"previous tensor has {old.nbytes} bytes, delta expects {t.nbytes}")
-            base = old.data
-        if dest is None:  # a new buffer
-            dest = HostTensor(t.dtype, t.shape, base.copy() if base is not None else np.empty(t.nbytes, np.uint8))
-        elif base is not None and not np.shares_memory(dest.data, base):
-            dest.data[:] = base
+            if not np.shares_memory(dest.data, old.data):
+                dest.data[:] = old.data
         codec.decode_into(dest.data, payload, t.dtype, executor)
         return dest
     except CorruptDataError as exc:

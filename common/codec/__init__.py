@@ -19,7 +19,6 @@ from types import ModuleType
 
 import numpy as np
 
-from ..dtypes import DTYPE_SIZES
 from ..errors import ConfigError, CorruptDataError
 from ..manifest import Encoding
 from . import v1
@@ -153,19 +152,15 @@ def encode_part(
     shape: tuple[int, ...] | None = None,
 ) -> bytes:
     """The payload of elements ``part`` (start, stop) of a tensor, one of :func:`tensor_parts`."""
-    v2 = _v2()
-    if dtype not in DTYPE_SIZES:
-        raise ConfigError(f"unknown dtype {dtype!r}")
-    width, (start, stop) = DTYPE_SIZES[dtype], part
-    return v2.encode_delta(
-        raw_bytes(old, "old")[start * width : stop * width],
-        raw_bytes(new, "new")[start * width : stop * width],
+    return _v2().encode_part(
+        raw_bytes(old, "old"),
+        raw_bytes(new, "new"),
         dtype,
-        v2.part_shape(tuple(shape) if shape else None, start, stop),
+        tuple(shape) if shape else None,
+        part,
         config.zstd_level,
         config.dense_fraction,
         config.predict_signs and config.level >= 2,
-        part_elements=None,
     )
 
 
@@ -200,27 +195,29 @@ def decode_into(out: np.ndarray, payload: Payload, dtype: str, executor: Executo
         _v2().decode_into(out, payload, dtype, executor)
 
 
-def decode_full(payload: Payload, dtype: str, nbytes: int) -> np.ndarray:
+def decode_full(payload: Payload, dtype: str, nbytes: int, executor: Executor | None = None) -> np.ndarray:
     """Decode a full payload that must rebuild exactly ``nbytes`` bytes of ``dtype``."""
     if payload_method(payload) is not Encoding.FULL:
         raise CorruptDataError("expected a full payload, got a delta")
     out = np.empty(nbytes, dtype=np.uint8)
-    decode_into(out, payload, dtype)
+    decode_into(out, payload, dtype, executor)
     return out
 
 
-def decode(old: np.ndarray | None, payload: Payload, dtype: str, nbytes: int) -> np.ndarray:
+def decode(
+    old: np.ndarray | None, payload: Payload, dtype: str, nbytes: int, executor: Executor | None = None
+) -> np.ndarray:
     """Rebuild exactly ``nbytes`` of ``dtype`` from a full payload, or a delta applied to ``old``
-    (``old`` is not modified)."""
+    (``old`` is not modified); the parts of a large tensor's payload on ``executor``, if given."""
     if payload_method(payload) is Encoding.FULL:
-        return decode_full(payload, dtype, nbytes)
+        return decode_full(payload, dtype, nbytes, executor)
     if old is None:
         raise CorruptDataError("delta payload but no previous tensor to apply it to")
     old = raw_bytes(old, "old")
     if old.size != nbytes:
         raise CorruptDataError(f"previous tensor has {old.size} bytes, delta expects {nbytes}")
     out = old.copy()
-    decode_into(out, payload, dtype)
+    decode_into(out, payload, dtype, executor)
     return out
 
 

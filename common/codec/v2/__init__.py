@@ -49,8 +49,8 @@ from .encoder import (
     ZSTD_LEVEL,
     encode_delta,
     encode_full,
+    encode_part,
     join_parts,
-    part_shape,
     split_ranges,
 )
 from .samples import warm_up
@@ -71,8 +71,8 @@ __all__ = [
     "encode_delta",
     "encode_full",
     "full_payload_nbytes",
+    "encode_part",
     "join_parts",
-    "part_shape",
     "payload_is_delta",
     "split_parts",
     "split_ranges",

@@ -83,6 +83,34 @@ def part_shape(shape: tuple[int, ...] | None, start: int, stop: int) -> tuple[in
     return ((stop - start) // int(shape[-1]), int(shape[-1]))
 
 
+def encode_part(
+    old: np.ndarray,
+    new: np.ndarray,
+    dtype: str,
+    shape: tuple[int, ...] | None,
+    part: tuple[int, int],
+    zstd_level: int = ZSTD_LEVEL,
+    dense_fraction: float = 0.125,
+    predict_signs: bool = True,
+    class_cost: float = CLASS_COST,
+) -> bytes:
+    """The payload (in one piece) of elements ``part`` = (start, stop) of a tensor of ``shape``,
+    one of :func:`split_ranges` (the other arguments as :func:`encode_delta` takes them)."""
+    width = _width(dtype, new.size)
+    start, stop = part
+    return encode_delta(
+        old[start * width : stop * width],
+        new[start * width : stop * width],
+        dtype,
+        part_shape(shape, start, stop),
+        zstd_level,
+        dense_fraction,
+        predict_signs,
+        class_cost,
+        None,
+    )
+
+
 def join_parts(dtype: str, parts: list[tuple[int, bytes]]) -> bytes:
     """One split payload (method 3) of ``parts``: (elements, payload) of consecutive ranges."""
     width = _width(dtype, 0)
@@ -345,24 +373,13 @@ def encode_delta(
     n = new.size // width
     ranges = split_ranges(n, shape, part_elements) if part_elements else [(0, n)]
     if len(ranges) > 1:
-        parts = [
-            (
-                stop - start,
-                encode_delta(
-                    old[start * width : stop * width],
-                    new[start * width : stop * width],
-                    dtype,
-                    part_shape(shape, start, stop),
-                    zstd_level,
-                    dense_fraction,
-                    predict_signs,
-                    class_cost,
-                    None,
-                ),
-            )
-            for start, stop in ranges
+        coded = [
+            encode_part(old, new, dtype, shape, part, zstd_level, dense_fraction, predict_signs, class_cost)
+            for part in ranges
         ]
-        return join_parts(dtype, parts)
+        return join_parts(
+            dtype, [(stop - start, payload) for (start, stop), payload in zip(ranges, coded, strict=True)]
+        )
     if dtype in FLOATS:
         payload, n_changed = _encode_ulp(
             readonly(old, UINT[width]), readonly(new, UINT[width]), dtype, shape, predict_signs, class_cost
