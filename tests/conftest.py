@@ -13,6 +13,14 @@ import pytest
 FULL_MATRIX_ENV = "DELTA_SWAP_FULL_MATRIX"
 
 
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The machine the run had (the CPU flags decide which swap path each engine takes), at the
+    end of the output, where a CI log's tail shows it."""
+    from benchmarks.machine import cpu_flags
+
+    terminalreporter.write_line(f"machine: {cpu_flags()}; {os.cpu_count()} cores")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if os.environ.get(FULL_MATRIX_ENV) == "1":
         return

@@ -241,10 +241,14 @@ class EngineExactnessTests:
             difference = _max_difference(served, reference)
             self._record(request, st, step=step, what=what, exact=served == reference, max_difference=difference)
             assert reference != before, f"step {step} ({what}) changes no logprob: the check could not fail"
-            assert served == reference, (
-                f"{self.family}, step {step} ({what}), {st['swap_path']} path: served logprobs differ from a fresh "
-                f"server's on the same checkpoint, max |difference| {difference:.3g}"
-            )
+            if served != reference:
+                previous = self._reference(chain.checkpoints[-2], chain.workdir, f"ref-{step - 1}.log")
+                pytest.fail(
+                    f"{self.family}, step {step} ({what}), {st['swap_path']} path: served logprobs differ from a fresh "
+                    f"server's on the same checkpoint, max |difference| {difference:.3g}; "
+                    + _diagnosis(served, reference, before, previous)
+                    + f"; status: {json.dumps(st, default=str)}"
+                )
 
     # ------------------------------------------------------------------ helpers
 
@@ -361,6 +365,24 @@ def _digest(folder: Path) -> str:
             for block in iter(lambda: f.read(1 << 20), b""):
                 digest.update(block)
     return digest.hexdigest()
+
+
+def _diagnosis(served: list[Any], reference: list[Any], before: list[Any], previous: list[Any]) -> str:
+    """What a failed comparison says about the cause: whether the server still served the last
+    step's values (a swap that did not reach the computation), whether it served the previous
+    checkpoint exactly before the swap (a server that was off from the start), and where the
+    logprobs differ (prompt, part, position)."""
+    where = []
+    for i, (got, want) in enumerate(zip(served, reference, strict=True)):
+        for part, (g, w) in enumerate(zip(got, want, strict=True)):
+            if g != w:
+                positions = [k for k, (x, y) in enumerate(zip(g, w)) if x != y] if len(g) == len(w) else ["length"]
+                where.append(f"prompt {i} part {part} positions {positions[:8]}")
+    return (
+        f"served == the last step's values: {served == before}; "
+        f"before the swap the server served the previous checkpoint exactly: {before == previous} "
+        f"(max |difference| {_max_difference(before, previous):.3g}); differences at: {'; '.join(where)}"
+    )
 
 
 def _max_difference(a: Sequence[Sequence[Any]], b: Sequence[Sequence[Any]]) -> float:
