@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .errors import EngineError
-from .loader_redirect import load_redirected, scratch_of, with_param
+from .loader_redirect import load_into_copies
 from .module_groups import module_of
 
 #: An integer dtype of each element size, to compare and copy elements bit for bit.
@@ -52,6 +52,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     if bits is None:
         raise EngineError(f"delta_swap: cannot compare elements of {t.element_size()} bytes ({t.dtype})")
     return t.reshape(-1).view(bits)
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one shape and dtype hold the same bits (NaNs and signed zeros too)."""
+    return bool(torch.equal(_bits(a), _bits(b)))
 
 
 def changes_between(param: str, live: torch.Tensor, new: torch.Tensor) -> ElementChanges | None:
@@ -203,22 +208,10 @@ def _load_into_scratch(
     group: Sequence[tuple[str, torch.Tensor]],
     default_loader: Callable[..., Any],
 ) -> tuple[list[ElementChanges], set[str]]:
-    """Load one module's tensors through the model into scratch copies of its parameters."""
-    scratch: dict[str, torch.Tensor] = {}
-
-    def into_scratch(name: str, param: torch.Tensor, original: Callable[..., Any]) -> Callable[..., Any]:
-        def load(*args: Any, **kwargs: Any) -> Any:
-            copy = scratch.get(name)
-            if copy is None:
-                copy = scratch[name] = scratch_of(param)
-            args, kwargs = with_param(args, kwargs, copy)
-            return original(*args, **kwargs)
-
-        return load
-
-    received = load_redirected(model, params, group, into_scratch, default_loader)
+    """Load one module's tensors through the model into copies of its parameters, and compare."""
+    copies, received = load_into_copies(model, params, group, default_loader)
     changes = []
-    for param_name, copy in scratch.items():
+    for param_name, copy in copies.items():
         live = params[param_name].data
         if not live.is_contiguous():
             raise EngineError(f"delta_swap: parameter {param_name} is not a plain tensor")

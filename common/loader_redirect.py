@@ -62,6 +62,34 @@ def load_redirected(
     return received
 
 
+def load_into_copies(
+    model: torch.nn.Module,
+    params: Mapping[str, torch.nn.Parameter],
+    group: Sequence[tuple[str, torch.Tensor]],
+    default_loader: Callable[..., Any],
+    copies: dict[str, torch.Tensor] | None = None,
+) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """(a copy of every parameter ``group`` loads into, made from the live values and written by
+    the model's own loaders, by parameter name; the names of ``group`` some loader received). The
+    live parameters do not change; a partial load (one constituent of a fused parameter, one
+    rank's shard, one expert) leaves the rest of a copy as the live values. Given ``copies``
+    (from an earlier group), a parameter already copied there is written again, not copied anew."""
+    copies = {} if copies is None else copies
+
+    def into_copy(name: str, param: torch.Tensor, original: Callable[..., Any]) -> Callable[..., Any]:
+        def load(*args: Any, **kwargs: Any) -> Any:
+            copy = copies.get(name)
+            if copy is None:
+                copy = copies[name] = scratch_of(param)
+            args, kwargs = with_param(args, kwargs, copy)
+            return original(*args, **kwargs)
+
+        return load
+
+    received = load_redirected(model, params, group, into_copy, default_loader)
+    return copies, received
+
+
 def with_param(args: tuple[Any, ...], kwargs: dict[str, Any], param: torch.Tensor) -> tuple[tuple, dict]:
     """A loader call's arguments with ``param`` in place of the parameter it was given."""
     if "param" in kwargs:

@@ -3,10 +3,12 @@
 Each process that holds the model (a vLLM worker, an SGLang scheduler: every tensor-parallel rank)
 keeps one :class:`StagedSwap`. Before the pause it stages an update on a thread of its own while
 the engine generates (:meth:`StagedSwap.stage_inplace`: the changed elements of its parameters,
-:mod:`.inplace`; :meth:`StagedSwap.stage_shadow`: shadow modules, :mod:`.shadow`) and answers
-whether that is done without waiting (:meth:`StagedSwap.answer`). In the pause
-:meth:`StagedSwap.apply` scatters the changes or switches the modules, and undoes itself on any
-failure; the undo stays available until the swap is final and :meth:`StagedSwap.drop` forgets it.
+:mod:`.inplace`; :meth:`StagedSwap.stage_shadow`: shadow modules, :mod:`.shadow`;
+:meth:`StagedSwap.stage_switch`: new tensors of the changed parameters, :mod:`.param_switch`) and
+answers whether that is done without waiting (:meth:`StagedSwap.answer`). In the pause
+:meth:`StagedSwap.apply` scatters the changes or switches the modules (parameters), and undoes
+itself on any failure; the undo stays available until the swap is final and
+:meth:`StagedSwap.drop` forgets it.
 
 The engine adapter's side says how its engine reaches these calls (vLLM: its weight-transfer
 backend; SGLang: a channel into the scheduler and its custom weight loader).
@@ -28,6 +30,7 @@ import torch
 
 from .host_memory import release_free_heap
 from .inplace import ElementChanges, UndoLog, element_changes, save_old_values, scatter
+from .param_switch import ParameterSwitch, build_parameter_switch
 from .served_model import ServedModel
 from .shadow import ShadowBuild, ShadowEngine, ShadowUnsupported, build_shadows
 
@@ -94,8 +97,8 @@ class StagedSwap:
     """One process's staged update (at most one at a time) and its undo."""
 
     def __init__(self) -> None:
-        #: What is being staged; it keeps the old values (modules) until it is dropped.
-        self._staging: Future[InplaceStaged | ShadowBuild] | None = None
+        #: What is being staged; it keeps the old values (modules, tensors) until it is dropped.
+        self._staging: Future[InplaceStaged | ShadowBuild | ParameterSwitch] | None = None
         self._stager = ThreadPoolExecutor(1, thread_name_prefix="delta-swap-stage")
         self._answered = False
 
@@ -145,7 +148,32 @@ class StagedSwap:
 
         self._start(work)
 
-    def _start(self, work: Callable[[], InplaceStaged | ShadowBuild]) -> None:
+    def stage_switch(
+        self,
+        model: torch.nn.Module,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        packed: Mapping[str, Sequence[str]],
+        default_loader: Callable[..., Any],
+        context: LoadContext = nullcontext,
+        fail_after: int = -1,
+    ) -> None:
+        """Start building, through the model's own loaders, the new tensors of the parameters
+        ``weights`` change (plain host tensors); ``fail_after`` >= 0 makes the build fail after that
+        many modules (tests)."""
+        weights = list(weights)
+
+        def fault(done: int) -> None:
+            if 0 <= fail_after <= done:
+                raise RuntimeError(f"delta_swap: injected failure mid-build after {done} modules")
+
+        def work() -> ParameterSwitch:
+            with context(), torch.inference_mode():
+                build, _ignored = build_parameter_switch(model, weights, packed, default_loader, fault)
+            return build
+
+        self._start(work)
+
+    def _start(self, work: Callable[[], InplaceStaged | ShadowBuild | ParameterSwitch]) -> None:
         self.drop()
         self._answered = False
         self._staging = self._stager.submit(work)
@@ -173,6 +201,15 @@ class StagedSwap:
             if first:
                 log.info("delta_swap: built %d shadow modules in %.3fs", len(staged.switches), staged.seconds)
             return {"done": True, "modules": len(staged.switches), "bytes": staged.nbytes, "seconds": staged.seconds}
+        if isinstance(staged, ParameterSwitch):
+            if first:
+                log.info(
+                    "delta_swap: built the new tensors of %d parameters (%.1f MB) in %.3fs",
+                    len(staged.targets),
+                    staged.nbytes / 1e6,
+                    staged.seconds,
+                )
+            return {"done": True, "parameters": len(staged.targets), "bytes": staged.nbytes, "seconds": staged.seconds}
         elements = sum(c.positions.numel() for c in staged.changes)
         if first:
             log.info(
@@ -184,31 +221,38 @@ class StagedSwap:
         nbytes = sum(c.nbytes for c in staged.changes)
         return {"done": True, "elements": elements, "bytes": nbytes, "seconds": staged.seconds}
 
-    def apply(self, op: str, model: torch.nn.Module, fail_after: int = -1) -> tuple[int, UndoLog | ShadowBuild]:
+    def apply(
+        self, op: str, model: torch.nn.Module, fail_after: int = -1
+    ) -> tuple[int, UndoLog | ShadowBuild | ParameterSwitch]:
         """In the pause: ``scatter`` the staged changes into ``model``'s live parameters, or
-        ``switch`` the changed modules to their shadows; (how many parameters or modules, the
-        undo). A failure (or, with ``fail_after`` >= 0, one injected after that many) puts the
-        old values (modules) back before it is raised."""
+        ``switch`` the changed modules to their shadows (the changed parameters to their new
+        tensors); (how many parameters or modules, the undo). A failure (or, with ``fail_after``
+        >= 0, one injected after that many) puts the old values (modules) back before it is raised."""
         inplace = op == "scatter"
+        staged = self._staging.result() if self._staging is not None else None  # done: waited for before the pause
 
         def fault(done: int) -> None:
             if 0 <= fail_after <= done:
-                verb, unit = ("writing", "parameters") if inplace else ("switching", "modules")
+                verb = "writing" if inplace else "switching"
+                unit = "modules" if isinstance(staged, ShadowBuild) else "parameters"
                 raise RuntimeError(f"delta_swap: injected failure after {verb} {done} {unit}")
 
         after_each = fault if fail_after >= 0 else None
-        staged = self._staging.result() if self._staging is not None else None  # done: waited for before the pause
         with torch.inference_mode():
             if inplace and isinstance(staged, InplaceStaged):
-                undo: UndoLog | ShadowBuild = scatter(
+                undo: UndoLog | ShadowBuild | ParameterSwitch = scatter(
                     dict(model.named_parameters()), staged.changes, after_each, staged.saved
                 )
                 count = len(staged.changes)
             elif not inplace and isinstance(staged, ShadowBuild):
                 staged.switch(after_each)
                 undo, count = staged, len(staged.switches)
+            elif not inplace and isinstance(staged, ParameterSwitch):
+                staged.switch(after_each)
+                undo, count = staged, len(staged.targets)
             else:
-                raise RuntimeError(f"delta_swap: {op} before {'stage_inplace' if inplace else 'stage_shadow'}")
+                before = "stage_inplace" if inplace else "stage_shadow or stage_switch"
+                raise RuntimeError(f"delta_swap: {op} before {before}")
             if torch.accelerator.is_available():
                 torch.accelerator.synchronize()
         return count, undo
@@ -230,11 +274,12 @@ class StagedSwap:
 def merge_staged(answers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """One summary of every rank's finished :meth:`StagedSwap.answer` (for the status's
     ``last_staged``): ``fallback`` where any rank must reload instead, else the changed elements
-    (or shadow modules) summed over the ranks, and the largest rank's bytes and seconds."""
+    (or shadow modules, or switched parameters) summed over the ranks, and the largest rank's
+    bytes and seconds."""
     fallbacks = sorted({str(a["fallback"]) for a in answers if a.get("fallback")})
     if fallbacks:
         return {"fallback": "; ".join(fallbacks)}
-    count = "elements" if all("elements" in a for a in answers) else "modules"
+    count = next(k for k in ("elements", "parameters", "modules") if all(k in a for a in answers) or k == "modules")
     return {
         count: sum(int(a[count]) for a in answers),
         "bytes": max(int(a["bytes"]) for a in answers),
@@ -242,10 +287,10 @@ def merge_staged(answers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     }
 
 
-#: Tests only: while the file this names exists and holds N, every in-place (shadow) swap fails after
-#: writing N parameters (switching N modules), in the engine's process.
+#: Tests only: while the file this names exists and holds N, every in-place (shadow, switch) swap
+#: fails after writing N parameters (switching N modules or parameters), in the engine's process.
 FAIL_SCATTER_ENV = "DELTA_SWAP_TEST_FAIL_SCATTER"
-#: Tests only: while the file this names exists and holds N, every shadow build fails after N modules.
+#: Tests only: while the file this names exists and holds N, every shadow (switch) build fails after N modules.
 FAIL_BUILD_ENV = "DELTA_SWAP_TEST_FAIL_BUILD"
 
 

@@ -1,18 +1,22 @@
 """The SGLang engine adapter: swaps verified updates into a running SGLang through its tokenizer manager.
 
-Three paths, chosen once per server from what the scheduler reports when it starts
+Four paths, chosen once per server from what the scheduler reports when it starts
 (:mod:`.engine_ops`):
 
 * **arena** (one tensor-parallel rank whose parameters are plain host tensors, as on CPUs without
   AMX): updates are decoded straight into the spare one of two shared-memory weight arenas laid
   out like SGLang's parameters, and the swap has delta-swap's custom weight loader point every
   parameter at it: the pause does not grow with the model;
-* **inplace** (``swap_path=inplace``, and ``auto`` where no arena applies: tensor parallelism,
-  MoE experts; where every parameter of every tensor-parallel rank is a plain tensor holding the
-  checkpoint's elements): the changed tensors are staged, and while the
-  engine generates each rank's scheduler works out which elements of its parameters change
-  (through the model's own loaders; asked through :mod:`.scheduler_channel`); the pause writes only
-  those with an undo log (delta-swap's custom weight loader, :mod:`delta_swap.inplace`);
+* **shadow** (``swap_path=shadow``, and ``auto`` where no arena applies: tensor parallelism, MoE
+  experts; where every parameter of every tensor-parallel rank is a plain host tensor holding the
+  checkpoint's elements): the changed tensors are staged, and while the engine generates each
+  rank's scheduler builds the new tensors of the parameters they change (through the model's own
+  loaders; asked through :mod:`.scheduler_channel`); the pause points those parameters at them
+  (delta-swap's custom weight loader, :mod:`delta_swap.param_switch`), keeping the old ones for
+  the undo until the swap is final;
+* **inplace** (``swap_path=inplace``, and ``auto`` where such parameters live on a GPU, whose CUDA
+  graphs keep their addresses): staged likewise, but each rank works out which elements of its
+  parameters change, and the pause writes only those with an undo log (:mod:`delta_swap.inplace`);
 * **tensor** (everywhere else): the changed tensors are packed into one shared-memory bucket
   while SGLang keeps generating and loaded through ``load_weights`` (SGLang's Llama-style loader
   takes q/k/v and gate/up one by one, so only changed tensors are sent).
@@ -81,9 +85,9 @@ def merge_rank_outcomes(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class InplaceFile:
-    """An update staged for the in-place path: the changed tensors' file (each rank's scheduler
-    holds the changed elements it found in it) and the read-back's file, if due."""
+class StagedFile:
+    """An update staged in the schedulers (the shadow and in-place paths): the changed tensors'
+    file (each rank's scheduler holds what it built from it) and the read-back's file, if due."""
 
     path: str
     check_path: str | None
@@ -107,9 +111,10 @@ class SglangAdapter(EngineAdapter):
         self._keep_kv = False
         #: The two weight arenas, on the arena path (None: the tensor path, or not read yet).
         self.arenas: ArenaPair | None = None
-        #: Whether the schedulers write changed elements in place (the inplace path).
-        self.inplace = False
-        #: What the schedulers staged for the last in-place swap ({"elements", "bytes", "seconds"}).
+        #: How the schedulers stage updates: ``shadow`` (new tensors switched in), ``inplace``
+        #: (changed elements written), or None (the arena or tensor path).
+        self.staged_path: str | None = None
+        #: What the schedulers staged for the last swap ({"parameters" or "elements", "bytes", "seconds"}).
         self.last_staged: dict[str, Any] | None = None
         self._described = False
         #: Why this engine takes no update at all (its weights cannot be loaded exactly), if so.
@@ -130,8 +135,8 @@ class SglangAdapter(EngineAdapter):
             if self.refused
             else "arena"
             if self.arenas
-            else "inplace"
-            if self.inplace
+            else self.staged_path
+            if self.staged_path
             else "tensor"
             if self._described
             else None,
@@ -152,10 +157,14 @@ class SglangAdapter(EngineAdapter):
             self.path_reason = doc.get("reason") or ("parameters are plain host tensors" if doc["layout"] else None)
             self.refused = doc.get("refuse")
             self._packed = doc.get("packed")
-            if doc.get("inplace"):
-                self.inplace, self.path_reason = _every_rank_inplace(doc, layout_file or "", self.tp_size)
-            if self.inplace:
-                log.info("delta_swap: writing changed elements in place on each swap (%s)", self.path_reason)
+            if doc.get("staged"):
+                self.staged_path, self.path_reason = _every_rank_stages(doc, layout_file or "", self.tp_size)
+            if self.staged_path:
+                log.info(
+                    "delta_swap: staging each update in the schedulers, %s path (%s)",
+                    self.staged_path,
+                    self.path_reason,
+                )
             elif doc["layout"]:
                 self.arenas, why_not = await asyncio.to_thread(ArenaPair.open, self.settings.staging_dir, doc["layout"])
                 self.path_reason = why_not or self.path_reason
@@ -165,14 +174,14 @@ class SglangAdapter(EngineAdapter):
             raise EngineError(f"sglang: {self.refused}")
         return await asyncio.to_thread(self.arenas.spare_for, specs) if self.arenas else None
 
-    async def stage(self, update: WeightUpdate) -> Bucket | Arena | InplaceFile | None:
+    async def stage(self, update: WeightUpdate) -> Bucket | Arena | StagedFile | None:
         arena = self.arenas.staged(update.state, "sglang") if self.arenas else None
         if arena is not None:
             return arena
         if not update.names:  # same bytes as now (e.g. a step that reverts): only the version moves
             return None
-        if self.inplace:
-            return await self._stage_inplace(update)
+        if self.staged_path:
+            return await self._stage_on_ranks(update, self.staged_path)
         bucket = await asyncio.to_thread(pack, update.state, sorted(update.names), update.checksums, self.tp_size)
         if self.verify_budget.due():  # every tensor-parallel rank reads back its shard of these
             bucket.check_path = await asyncio.to_thread(self._write_check_file, update)
@@ -187,17 +196,18 @@ class SglangAdapter(EngineAdapter):
         )
         return path
 
-    async def _stage_inplace(self, update: WeightUpdate) -> InplaceFile:
-        """Write the changed tensors to a file and have every rank's scheduler work out, while
-        SGLang generates, which elements of its parameters they change; wait until all have."""
+    async def _stage_on_ranks(self, update: WeightUpdate, path_name: str) -> StagedFile:
+        """Write the changed tensors to a file and have every rank's scheduler, while SGLang
+        generates, build the new tensors of the parameters they change (``shadow``) or work out
+        which elements change (``inplace``); wait until all have."""
         names = sorted(update.names)
         path = staging_file(self.settings.staging_dir, f"update-{update.version}")
         await asyncio.to_thread(write_tensors, path, update.state, names)
-        staged = InplaceFile(path, None)
+        staged = StagedFile(path, None)
         try:
             if self.verify_budget.due():
-                staged = InplaceFile(path, await asyncio.to_thread(self._write_check_file, update))
-            await self._on_ranks({"op": "stage_inplace", "path": path, "names": names})
+                staged = StagedFile(path, await asyncio.to_thread(self._write_check_file, update))
+            await self._on_ranks({"op": f"stage_{path_name}", "path": path, "names": names})
             answers = await until_staged(lambda: self._on_ranks({"op": "stage_wait"}))
         except BaseException:
             await self.unstage(staged)
@@ -218,7 +228,7 @@ class SglangAdapter(EngineAdapter):
     async def unstage(self, staged: Any) -> None:
         if isinstance(staged, Bucket) and staged.check_path:
             Path(staged.check_path).unlink(missing_ok=True)
-        if isinstance(staged, InplaceFile):
+        if isinstance(staged, StagedFile):
             for file in (staged.path, staged.check_path):
                 if file:
                     Path(file).unlink(missing_ok=True)
@@ -323,14 +333,14 @@ class SglangAdapter(EngineAdapter):
 
     # ------------------------------------------------------------------ load
 
-    async def swap(self, update: WeightUpdate, staged: Bucket | Arena | InplaceFile | None) -> None:
+    async def swap(self, update: WeightUpdate, staged: Bucket | Arena | StagedFile | None) -> None:
         version = update.version or await self.weight_version() or "default"
         if staged is None:
             await self._set_version(version)
         elif isinstance(staged, Arena):
             await self._commit(staged, version)
-        elif isinstance(staged, InplaceFile):
-            await self._scatter(update, staged, version)
+        elif isinstance(staged, StagedFile):
+            await self._apply_on_ranks(update, staged, version)
         else:
             started = time.perf_counter()
             await self._update(staged.payloads, "flattened_bucket", version)
@@ -355,17 +365,17 @@ class SglangAdapter(EngineAdapter):
         }
         return float(outcome["seconds"])
 
-    async def _scatter(self, update: WeightUpdate, staged: InplaceFile, version: str) -> None:
-        """Have every rank write its staged changed elements (and read the changed modules back, if
-        due); a rank that fails undoes its writes and answers why."""
+    async def _apply_on_ranks(self, update: WeightUpdate, staged: StagedFile, version: str) -> None:
+        """Have every rank switch in its staged tensors or write its staged changed elements (and
+        read the changed modules back, if due); a rank that fails undoes itself and answers why."""
         fail_after = await injected_swap_failure(update.version, self.weight_version)
-        op: dict[str, Any] = {"op": "scatter", "fail_after": fail_after}
+        op: dict[str, Any] = {"op": "switch" if self.staged_path == "shadow" else "scatter", "fail_after": fail_after}
         if staged.check_path:
             op["verify_path"] = staged.check_path
         started = time.perf_counter()
         outcome = await self._run_op(op, version)
         if not outcome.get("ok"):
-            raise EngineError(f"sglang: the in-place swap failed and was undone: {outcome.get('error')}")
+            raise EngineError(f"sglang: the {self.staged_path} swap failed and was undone: {outcome.get('error')}")
         check_s = self._record_verification(outcome) if staged.check_path else None
         log.info(
             "delta_swap: wrote the changed elements of %d tensors as %s (%.1f ms in the scheduler, %.1f ms in all)",
@@ -437,14 +447,14 @@ class SglangAdapter(EngineAdapter):
         await self.tm.update_weight_version(UpdateWeightVersionReqInput(new_version=version, abort_all_requests=False))
 
 
-def _every_rank_inplace(doc: dict[str, Any], layout_file: str, ranks: int) -> tuple[bool, str]:
-    """Whether every tensor-parallel rank's scheduler can write in place (rank 0 answered in
-    ``doc``, rank k in ``layout_file.k``), and why (or why not)."""
+def _every_rank_stages(doc: dict[str, Any], layout_file: str, ranks: int) -> tuple[str | None, str]:
+    """The staged path every tensor-parallel rank's scheduler can take (rank 0 answered in
+    ``doc``, rank k in ``layout_file.k``), or None; and why (or why not)."""
     for rank in range(1, ranks):
         try:
             other = json.loads(Path(f"{layout_file}.{rank}").read_text())
         except (OSError, ValueError):
-            return False, f"tensor-parallel rank {rank} described nothing"
-        if not other.get("inplace"):
-            return False, f"rank {rank}: {other.get('reason')}"
-    return True, str(doc.get("reason"))
+            return None, f"tensor-parallel rank {rank} described nothing"
+        if other.get("staged") != doc.get("staged"):
+            return None, f"rank {rank}: {other.get('reason')}"
+    return str(doc["staged"]), str(doc.get("reason"))

@@ -11,9 +11,11 @@
   parallel > 1 every rank checks its own shard, which :func:`local_shard` loads through the
   module's own weight loader into a scratch copy of the rank's parameter;
   ``{"op": "scatter", "fail_after": N, "verify_path": FILE?, "result": FILE}`` writes, in the
-  pause, the changed elements this rank staged (``swap_path=inplace``: :func:`_on_channel`
-  answers the HTTP server's staging requests through :mod:`.scheduler_channel` while SGLang
-  generates), then reads back if asked; any failure puts the old values back.
+  pause, the changed elements this rank staged (the in-place path: :func:`_on_channel` answers
+  the HTTP server's staging requests through :mod:`.scheduler_channel` while SGLang generates),
+  then reads back if asked; any failure puts the old values back;
+  ``{"op": "switch", ...}`` likewise points the changed parameters at the new tensors this rank
+  built before the pause (the shadow path, :mod:`delta_swap.param_switch`).
 
 Every tensor-parallel rank runs the operation; rank 0 writes ``FILE``, rank ``k`` ``FILE.k``
 (SGLang answers the HTTP server only after all ranks have returned).
@@ -40,8 +42,8 @@ LAYOUT_FILE_ENV = "DELTA_SWAP_LAYOUT_FILE"
 #: Llama-style fused parameters, for models that do not declare ``packed_modules_mapping``.
 DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
-#: This scheduler's arena mappings (ArenaMappings, on the arena path) and staged in-place update
-#: (StagedSwap, on the in-place path).
+#: This scheduler's arena mappings (ArenaMappings, on the arena path) and staged update
+#: (StagedSwap, on the in-place and shadow paths).
 _state: dict[str, Any] = {"arenas": None, "staged": None}
 
 
@@ -52,30 +54,32 @@ def packed_modules(model: Any) -> dict[str, list[str]]:
 
 def describe_after_init(result: Any, scheduler: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
     """Write how this scheduler's rank swaps (rank 0 to the layout file, rank k to ``FILE.k``):
-    its arena layout (one rank), or whether it can write changed elements in place (``auto``
+    its arena layout (one rank), or whether it stages updates (``staged``: ``shadow``, new tensors
+    of the changed parameters switched in; ``inplace``, changed elements written in place; ``auto``
     where no arena applies, or when asked), with the reason, and its fused-module mapping (which
     checkpoint tensors load into one module, for the read-back)."""
     output = os.environ.get(LAYOUT_FILE_ENV)
     if not output or LOADER not in (getattr(server_args, "custom_weight_loader", None) or []):
         return
     refuse = amx_packed(scheduler)  # then no path is worked out: no update will be taken
-    packed, layout, inplace, reason = None, None, False, refuse or ""
+    packed, layout, staged, reason = None, None, None, refuse or ""
     try:
         model = scheduler.tp_worker.model_runner.model
         packed = packed_modules(model)
         if refuse is None:
-            layout, inplace, reason = _choose_path(scheduler, server_args, model, packed)
+            layout, staged, reason = _choose_path(scheduler, server_args, model, packed)
     except Exception as exc:  # never break the scheduler's start
-        layout, inplace, reason = None, False, f"describing the parameters failed: {type(exc).__name__}: {exc}"
+        layout, staged, reason = None, None, f"describing the parameters failed: {type(exc).__name__}: {exc}"
     if layout is not None:
         from delta_swap.torch_params import ArenaMappings
 
         _state["arenas"] = ArenaMappings(layout)
     rank = _tp_rank()
-    if inplace:
-        inplace, reason = _open_channel(model, packed or {}, rank, reason)
+    if staged:
+        opened, reason = _open_channel(model, packed or {}, rank, reason)
+        staged = staged if opened else None
     try:
-        doc = {"layout": layout and layout.to_json(), "reason": reason, "packed": packed, "inplace": inplace}
+        doc = {"layout": layout and layout.to_json(), "reason": reason, "packed": packed, "staged": staged}
         if refuse:
             doc["refuse"] = refuse
         Path(output if rank == 0 else f"{output}.{rank}").write_text(json.dumps(doc))
@@ -83,19 +87,46 @@ def describe_after_init(result: Any, scheduler: Any, server_args: Any, *args: An
         log.exception("delta_swap: cannot write the parameter layout to %s", output)
 
 
-def _choose_path(scheduler: Any, server_args: Any, model: Any, packed: dict[str, list[str]]) -> tuple[Any, bool, str]:
-    """(arena layout or None, whether in place, why) for this rank, as ``swap_path`` asks."""
+def _choose_path(
+    scheduler: Any, server_args: Any, model: Any, packed: dict[str, list[str]]
+) -> tuple[Any, str | None, str]:
+    """(arena layout or None, the staged path or None, why) for this rank, as ``swap_path`` asks.
+    Where the parameters are plain tensors holding the checkpoint's elements and no arena applies,
+    ``auto`` builds the changed parameters' new tensors before the pause and switches them in
+    (``shadow``) on the host, and writes the changed elements in place on a device (a CUDA graph
+    keeps the addresses it captured)."""
     from delta_swap.settings import Settings, SwapPath
 
     swap_path = Settings.load().swap_path  # the HTTP server process exported it
     if swap_path is SwapPath.INPLACE:
-        inplace, reason = _inplace_possible(model, server_args, packed)
-        return None, inplace, reason
+        plain, reason = _inplace_possible(model, server_args, packed)
+        return None, "inplace" if plain else None, reason
+    if swap_path is SwapPath.SHADOW:
+        plain, reason = _inplace_possible(model, server_args, packed)
+        device = _device_of(model)
+        if plain and device != "cpu":
+            return (
+                None,
+                None,
+                f"parameters on {device}: a CUDA graph keeps their addresses (swap_path inplace writes there)",
+            )
+        if not plain:
+            return None, None, reason
+        return None, "shadow", f"{reason}; new tensors of the changed parameters built before the pause"
     layout, reason = _describe(scheduler, server_args)
     if layout is None and swap_path is SwapPath.AUTO:  # no arena (TP > 1, MoE experts...)
-        inplace, why = _inplace_possible(model, server_args, packed)
-        return None, inplace, f"{reason}; {'changed elements written in place' if inplace else why}"
-    return layout, False, reason
+        plain, why = _inplace_possible(model, server_args, packed)
+        if not plain:
+            return None, None, f"{reason}; {why}"
+        if _device_of(model) == "cpu":
+            return None, "shadow", f"{reason}; new tensors of the changed parameters built before the pause"
+        return None, "inplace", f"{reason}; changed elements written in place"
+    return layout, None, reason
+
+
+def _device_of(model: Any) -> str:
+    """The device type of the model's parameters (``cpu``, ``cuda``...; the first one not on the host)."""
+    return next((p.device.type for p in model.parameters() if p.device.type != "cpu"), "cpu")
 
 
 def amx_packed(scheduler: Any) -> str | None:
@@ -148,16 +179,22 @@ def _open_channel(model: Any, packed: dict[str, list[str]], rank: int, reason: s
 def _on_channel(model: Any, packed: dict[str, list[str]], request: dict[str, Any]) -> dict[str, Any]:
     """One staging request from the HTTP server (on the channel's thread, while SGLang generates):
     ``stage_inplace`` starts working out which elements of this rank's parameters the tensors of
-    ``path`` change; ``stage_wait`` answers whether that is done; ``drop_staged`` forgets it."""
+    ``path`` change; ``stage_shadow`` starts building the new tensors of the parameters they
+    change; ``stage_wait`` answers whether that is done; ``drop_staged`` forgets it."""
     from sglang.srt.model_loader.weight_utils import default_weight_loader
 
-    from delta_swap.staged_swap import read_staged
+    from delta_swap.staged_swap import FAIL_BUILD_ENV, injected_failure, read_staged
 
     staged = _state["staged"]
     op = request.get("op")
     if op == "stage_inplace":
         weights = read_staged(str(request["path"]), set(request["names"]))
         staged.stage_inplace(model, weights, packed, default_weight_loader)
+        return {"ok": True}
+    if op == "stage_shadow":
+        weights = read_staged(str(request["path"]), set(request["names"]))
+        fail_after = injected_failure(FAIL_BUILD_ENV)
+        staged.stage_switch(model, weights, packed, default_weight_loader, fail_after=fail_after)
         return {"ok": True}
     if op == "stage_wait":
         return dict(staged.answer())
@@ -175,8 +212,6 @@ def _describe(scheduler: Any, server_args: Any) -> tuple[Any, str]:
     swap_path = Settings.load().swap_path  # the HTTP server process exported it
     if swap_path is SwapPath.RELOAD:
         return None, "--delta-swap-swap-path reload"
-    if swap_path is SwapPath.SHADOW:
-        return None, "--delta-swap-swap-path shadow: no shadow build for SGLang yet (it loads tensors in place)"
     if (getattr(server_args, "tp_size", 1) or 1) != 1:
         return None, "tensor parallelism: every rank holds its own shard"
     model = scheduler.tp_worker.model_runner.model
@@ -196,8 +231,8 @@ def run(model: Any, named_tensors: list[tuple[str, Any]]) -> None:
             _commit(model, str(op["path"]))
         elif op.get("op") == "verify":
             outcome["checks"] = _verify(model, str(op["path"]))
-        elif op.get("op") == "scatter":
-            outcome.update(_scatter(model, op))
+        elif op.get("op") in ("scatter", "switch"):
+            outcome.update(_apply_staged(model, op))
         else:
             raise ValueError(f"unknown operation {op.get('op')!r}")
         outcome["seconds"] = time.perf_counter() - started
@@ -219,16 +254,16 @@ def _commit(model: Any, path: str) -> None:
     arenas.point(dict(model.named_parameters()), path)
 
 
-def _scatter(model: Any, op: dict[str, Any]) -> dict[str, Any]:
-    """In the pause: write the staged changed elements into the live parameters, then read the
-    changed modules back against ``verify_path`` if given; any failure puts the old values back
-    before it is raised."""
+def _apply_staged(model: Any, op: dict[str, Any]) -> dict[str, Any]:
+    """In the pause: write the staged changed elements into the live parameters (``scatter``) or
+    point the changed parameters at their new tensors (``switch``), then read the changed modules
+    back against ``verify_path`` if given; any failure puts the old values back before it is raised."""
     import torch
 
     staged = _state["staged"]
     if staged is None:
-        raise ValueError("scatter without an in-place channel")
-    count, undo = staged.apply("scatter", model, int(op.get("fail_after", -1)))
+        raise ValueError(f"{op['op']} without a staging channel")
+    count, undo = staged.apply(str(op["op"]), model, int(op.get("fail_after", -1)))
     outcome: dict[str, Any] = {"parameters": count}
     if op.get("verify_path"):
         try:

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from delta_swap.staged_swap import FAIL_SCATTER_ENV
+from delta_swap.staged_swap import FAIL_BUILD_ENV, FAIL_SCATTER_ENV
 from delta_swap.testing.engine_exactness import PARTIAL_DELTAS, Chain, InjectedFailureTests
 from examples.servers import sglang as sglang_server
 from examples.servers.process import Server
@@ -48,7 +48,7 @@ class SglangExactness(TinyModelExactness):
         )
 
     #: Without a store SGLang's plugin does nothing, so every path's reference is the same server.
-    reference_swap_path = {"arena": "reload", "inplace": "reload", "auto": "reload"}
+    reference_swap_path = {"arena": "reload", "inplace": "reload", "shadow": "reload", "auto": "reload"}
 
     def start_server(self, model: Path, workdir: Path, settings: Mapping[str, object], log_name: str) -> Server:
         env = {**EXIT_AT_ONCE, **self.env}
@@ -151,11 +151,36 @@ class TestQwen3MoeInplace(SglangExactness):
     family, swap_path = "qwen3_moe", "inplace"
 
 
-class TestQwen3TiedAutoTP2(TestQwen3TiedTensorTP2):
-    """``auto`` at TP 2 (no arena) takes the in-place path: each rank finds and writes the changed
-    elements of its own shard (the tied embedding's vocabulary half, column and row shards)."""
+class TestQwen2Shadow(InjectedFailureTests, SglangExactness):
+    """New tensors of the changed parameters built by the scheduler before the pause and switched
+    in it (biases alone, one constituent of a fused module); then failures injected mid-build and
+    mid-switch."""
 
-    swap_path, auto_takes = "auto", "inplace"
+    family, swap_path = "qwen2", "shadow"
+
+    def start_server(self, model: Path, workdir: Path, settings: Mapping[str, object], log_name: str) -> Server:
+        self.env = self.failure_env(workdir, log_name)
+        return super().start_server(model, workdir, settings, log_name)
+
+    def test_a_failure_mid_build_never_touches_the_served_weights(self, chain: Chain) -> None:
+        self.check_a_failed_swap(chain, FAIL_BUILD_ENV, "injected failure mid-build after 1 modules")
+
+    def test_a_failure_mid_switch_keeps_the_previous_weights_served_exactly(self, chain: Chain) -> None:
+        self.check_a_failed_swap(chain, FAIL_SCATTER_ENV, "injected failure after switching 1 parameters")
+
+
+class TestQwen3MoeShadow(SglangExactness):
+    """One expert's new values built into a new copy of the fused expert parameters before the
+    pause, switched in it; the router alone."""
+
+    family, swap_path = "qwen3_moe", "shadow"
+
+
+class TestQwen3TiedAutoTP2(TestQwen3TiedTensorTP2):
+    """``auto`` at TP 2 (no arena) takes the shadow path on the host: each rank builds the new
+    tensors of its own shard (the tied embedding's vocabulary half) before the pause."""
+
+    swap_path, auto_takes = "auto", "shadow"
 
 
 REVERT_FIXES = Path(__file__).parent / "support" / "revert_fixes"
