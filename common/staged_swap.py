@@ -167,7 +167,9 @@ class StagedSwap:
                 raise RuntimeError(f"delta_swap: injected failure mid-build after {done} modules")
 
         def work() -> ParameterSwitch:
-            with context(), torch.inference_mode():
+            # not inference mode: the new tensors become the engine's parameters, which its own
+            # weight loads (SGLang's update_weights_from_disk) write into outside inference mode
+            with context(), torch.no_grad():
                 build, _ignored = build_parameter_switch(model, weights, packed, default_loader, fault)
             return build
 

@@ -140,6 +140,9 @@ def test_a_failure_mid_switch_switches_back_and_the_staged_swap_reports_paramete
     undo.undo()
     for name, p in model.named_parameters():
         assert torch.equal(_bits(p), old[name]), name
+    staged.apply("switch", model)  # the engine's own loads write into switched-in tensors later
+    for p in model.parameters():
+        p.data[0].add_(1)  # a view, outside inference mode: an inference tensor's would refuse
     with pytest.raises(RuntimeError, match="scatter before stage_inplace"):
         staged.apply("scatter", model)
     staged.shutdown()
