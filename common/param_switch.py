@@ -32,6 +32,7 @@ from .errors import EngineError
 from .inplace import bits_equal
 from .loader_redirect import load_into_copies
 from .module_groups import module_of
+from .shadow import switch_each
 
 
 @dataclass
@@ -51,15 +52,13 @@ class ParameterSwitch:
     def switch(self, after_each: Callable[[int], None] | None = None) -> None:
         """Point every changed parameter at its new tensor; on any failure (or when
         ``after_each``, called with the number switched so far, raises) switch back and raise."""
-        try:
-            for done, (_name, param, new) in enumerate(self.targets, start=1):
-                self.old.append(param.data)
-                param.data = new
-                if after_each is not None:
-                    after_each(done)
-        except BaseException:
-            self.undo()
-            raise
+
+        def switch_one(target: tuple[str, torch.nn.Parameter, torch.Tensor]) -> None:
+            _name, param, new = target
+            self.old.append(param.data)
+            param.data = new
+
+        switch_each(self.targets, switch_one, self.undo, after_each)
 
     def undo(self) -> None:
         """Give every switched parameter its old tensor back (in reverse order)."""

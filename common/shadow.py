@@ -23,13 +23,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from .errors import EngineError
 from .loader_redirect import load_redirected, loader_of, with_param
 from .module_groups import module_of
+
+T = TypeVar("T")
 
 
 class ShadowUnsupported(EngineError):
@@ -74,15 +76,12 @@ class ShadowBuild:
     def switch(self, after_each: Callable[[int], None] | None = None) -> None:
         """Put every shadow's state into its live module; on any failure (or when ``after_each``,
         called with the number of modules switched so far, raises) switch back and raise."""
-        try:
-            for done, item in enumerate(self.switches, start=1):
-                item.old = item.module.__dict__
-                object.__setattr__(item.module, "__dict__", item.state)
-                if after_each is not None:
-                    after_each(done)
-        except BaseException:
-            self.undo()
-            raise
+
+        def switch_one(item: ModuleSwitch) -> None:
+            item.old = item.module.__dict__
+            object.__setattr__(item.module, "__dict__", item.state)
+
+        switch_each(self.switches, switch_one, self.undo, after_each)
 
     def undo(self) -> None:
         """Give every switched module its old state back (in reverse order)."""
@@ -90,6 +89,24 @@ class ShadowBuild:
             if item.old is not None:
                 object.__setattr__(item.module, "__dict__", item.old)
                 item.old = None
+
+
+def switch_each(
+    items: Sequence[T],
+    switch_one: Callable[[T], None],
+    undo: Callable[[], None],
+    after_each: Callable[[int], None] | None,
+) -> None:
+    """Switch every item in order, calling ``after_each`` with the number switched so far; on any
+    failure (``after_each`` raising included) ``undo`` and raise."""
+    try:
+        for done, item in enumerate(items, start=1):
+            switch_one(item)
+            if after_each is not None:
+                after_each(done)
+    except BaseException:
+        undo()
+        raise
 
 
 def shallow_copy(module: torch.nn.Module) -> torch.nn.Module:

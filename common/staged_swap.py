@@ -136,10 +136,7 @@ class StagedSwap:
         """Start building the shadows of the modules ``weights`` (whole modules) load into;
         ``fail_after`` >= 0 makes the build fail after that many modules (tests)."""
         weights = list(weights)
-
-        def fault(done: int) -> None:
-            if 0 <= fail_after <= done:
-                raise RuntimeError(f"delta_swap: injected failure mid-build after {done} shadow modules")
+        fault = _mid_build_fault(fail_after, "shadow modules")
 
         def work() -> ShadowBuild:
             with context(), torch.inference_mode():
@@ -161,10 +158,7 @@ class StagedSwap:
         ``weights`` change (plain host tensors); ``fail_after`` >= 0 makes the build fail after that
         many modules (tests)."""
         weights = list(weights)
-
-        def fault(done: int) -> None:
-            if 0 <= fail_after <= done:
-                raise RuntimeError(f"delta_swap: injected failure mid-build after {done} modules")
+        fault = _mid_build_fault(fail_after, "modules")
 
         def work() -> ParameterSwitch:
             # not inference mode: the new tensors become the engine's parameters, which its own
@@ -271,6 +265,16 @@ class StagedSwap:
 
     def shutdown(self) -> None:
         self._stager.shutdown(wait=False, cancel_futures=True)
+
+
+def _mid_build_fault(fail_after: int, unit: str) -> Callable[[int], None]:
+    """A build's ``after_each`` that fails once ``fail_after`` >= 0 ``unit`` are built (tests)."""
+
+    def fault(done: int) -> None:
+        if 0 <= fail_after <= done:
+            raise RuntimeError(f"delta_swap: injected failure mid-build after {done} {unit}")
+
+    return fault
 
 
 def merge_staged(answers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -378,7 +378,8 @@ class SglangAdapter(EngineAdapter):
             raise EngineError(f"sglang: the {self.staged_path} swap failed and was undone: {outcome.get('error')}")
         check_s = self._record_verification(outcome) if staged.check_path else None
         log.info(
-            "delta_swap: wrote the changed elements of %d tensors as %s (%.1f ms in the scheduler, %.1f ms in all)",
+            "delta_swap: %s %d changed tensors as %s (%.1f ms in the scheduler, read-back included; %.1f ms in all)",
+            "switched in the new parameters of" if op["op"] == "switch" else "wrote the changed elements of",
             len(update.names),
             version,
             1000 * float(outcome.get("seconds", 0.0)),
