@@ -45,7 +45,9 @@ point here::
                                     an undo log (swap_path=inplace)
              shadow                 building changed modules processed before the pause and
                                     switching them in it (swap_path=shadow)
-             staged_swap            the engine process's half of both: stage on a thread while
+             param_switch           new tensors of the changed plain parameters built before the
+                                    pause, pointed at in it (swap_path=shadow on plain host weights)
+             staged_swap            the engine process's half of all three: stage on a thread while
                                     the engine generates, apply in the pause, undo, drop
              staging_files          the adapter's half: the staged files, the wait until every
                                     engine process has staged
