@@ -285,7 +285,7 @@ def merge_staged(answers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     fallbacks = sorted({str(a["fallback"]) for a in answers if a.get("fallback")})
     if fallbacks:
         return {"fallback": "; ".join(fallbacks)}
-    count = next(k for k in ("elements", "parameters", "modules") if all(k in a for a in answers) or k == "modules")
+    count = next((k for k in ("elements", "parameters") if all(k in a for a in answers)), "modules")
     return {
         count: sum(int(a[count]) for a in answers),
         "bytes": max(int(a["bytes"]) for a in answers),

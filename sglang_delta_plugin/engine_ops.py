@@ -102,26 +102,35 @@ def _choose_path(
         plain, reason = _inplace_possible(model, server_args, packed)
         return None, "inplace" if plain else None, reason
     if swap_path is SwapPath.SHADOW:
-        plain, reason = _inplace_possible(model, server_args, packed)
-        device = _device_of(model)
-        if plain and device != "cpu":
-            return (
-                None,
-                None,
-                f"parameters on {device}: a CUDA graph keeps their addresses (swap_path inplace writes there)",
-            )
-        if not plain:
-            return None, None, reason
-        return None, "shadow", f"{reason}; new tensors of the changed parameters built before the pause"
+        staged, why = _staged_path(model, server_args, packed, on_device=None)
+        return None, staged, f"{why}; {_SHADOW_WHY}" if staged else why
     layout, reason = _describe(scheduler, server_args)
     if layout is None and swap_path is SwapPath.AUTO:  # no arena (TP > 1, MoE experts...)
-        plain, why = _inplace_possible(model, server_args, packed)
-        if not plain:
-            return None, None, f"{reason}; {why}"
-        if _device_of(model) == "cpu":
-            return None, "shadow", f"{reason}; new tensors of the changed parameters built before the pause"
-        return None, "inplace", f"{reason}; changed elements written in place"
+        staged, why = _staged_path(model, server_args, packed, on_device="inplace")
+        how = {"shadow": _SHADOW_WHY, "inplace": "changed elements written in place"}.get(staged or "", why)
+        return None, staged, f"{reason}; {how}"
     return layout, None, reason
+
+
+#: Why the shadow path, in the status.
+_SHADOW_WHY = "new tensors of the changed parameters built before the pause"
+
+
+def _staged_path(
+    model: Any, server_args: Any, packed: dict[str, list[str]], on_device: str | None
+) -> tuple[str | None, str]:
+    """(the staged path this rank's parameters allow: ``shadow`` where they are plain host tensors
+    holding the checkpoint's elements, ``on_device`` where such tensors live on a device, else
+    None; why they are plain, or why not)."""
+    plain, why = _inplace_possible(model, server_args, packed)
+    if not plain:
+        return None, why
+    device = _device_of(model)
+    if device == "cpu":
+        return "shadow", why
+    if on_device is None:
+        return None, f"parameters on {device}: a CUDA graph keeps their addresses (swap_path inplace writes there)"
+    return on_device, why
 
 
 def _device_of(model: Any) -> str:
