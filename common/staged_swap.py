@@ -294,7 +294,8 @@ def merge_staged(answers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 #: Tests only: while the file this names exists and holds N, every in-place (shadow, switch) swap
-#: fails after writing N parameters (switching N modules or parameters), in the engine's process.
+#: fails after writing N parameters (switching N modules or parameters), in the engine's process;
+#: ``N@R``: on tensor-parallel rank R only (SGLang).
 FAIL_SCATTER_ENV = "DELTA_SWAP_TEST_FAIL_SCATTER"
 #: Tests only: while the file this names exists and holds N, every shadow (switch) build fails after N modules.
 FAIL_BUILD_ENV = "DELTA_SWAP_TEST_FAIL_BUILD"
@@ -312,7 +313,18 @@ async def injected_swap_failure(version: str | None, served_version: Callable[[]
 def injected_failure(env: str) -> int:
     """The number of parameters (modules) after which the next apply (shadow build) fails, from
     the marker file ``env`` names (-1: it does not). Read by the adapter, which passes it on."""
+    return _marker(env)[0]
+
+
+def injected_failure_rank(env: str) -> int | None:
+    """The one tensor-parallel rank the failure of :func:`injected_failure` is for (a marker
+    ``N@R``), or None: every rank."""
+    return _marker(env)[1]
+
+
+def _marker(env: str) -> tuple[int, int | None]:
     marker = os.environ.get(env)
     if not marker or not os.path.exists(marker):
-        return -1
-    return int(Path(marker).read_text().strip() or 0)
+        return -1, None
+    count, _, rank = Path(marker).read_text().strip().partition("@")
+    return int(count or 0), int(rank) if rank else None

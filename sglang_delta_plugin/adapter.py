@@ -21,8 +21,12 @@ Four paths, chosen once per server from what the scheduler reports when it start
   while SGLang keeps generating and loaded through ``load_weights`` (SGLang's Llama-style loader
   takes q/k/v and gate/up one by one, so only changed tensors are sent).
 
-Either way the swap runs ``begin_weight_update`` / ``update_weights_from_tensor`` (which flushes
-the radix cache and sets the weight version) / ``end_weight_update``.
+On the arena, shadow and in-place paths the swap is one job per rank run on the scheduler's own
+thread in the pause (:mod:`.paused_loop`: flush the radix cache, switch or write, read back if
+due, record the weight version), sent to every rank at once through :mod:`.scheduler_channel`; no
+weight-update session is opened. The tensor path runs SGLang's ``begin_weight_update`` /
+``update_weights_from_tensor`` (which flushes the radix cache and sets the weight version) /
+``end_weight_update``.
 
 Drain policies on SGLang 0.5.23 (its pause modes are ``abort``, ``retract`` and ``in_place``):
 
@@ -55,13 +59,13 @@ from delta_swap.errors import EngineError
 from delta_swap.module_groups import tensors_of_modules
 from delta_swap.served_model import ServedModel
 from delta_swap.settings import DrainPolicy, Settings
-from delta_swap.staged_swap import injected_swap_failure, merge_staged
+from delta_swap.staged_swap import FAIL_SCATTER_ENV, injected_failure_rank, injected_swap_failure, merge_staged
 from delta_swap.staging_files import staging_file, until_staged, write_tensors
 from delta_swap.tensors import StateDict, TensorSpecs
 from delta_swap.verify_budget import VerifyBudget
 
 from . import scheduler_channel
-from .engine_ops import DEFAULT_PACKED, LAYOUT_FILE_ENV, LOADER
+from .engine_ops import DEFAULT_PACKED, LAYOUT_FILE_ENV
 from .staging import Bucket, pack
 
 log = logging.getLogger("sglang_delta_plugin")
@@ -69,6 +73,8 @@ log = logging.getLogger("sglang_delta_plugin")
 #: The longest the ``wait`` drain goes on aborting requests that outlived its timeout before it
 #: swaps without them (capped by the timeout itself).
 ABORT_GRACE_S = 10.0
+#: The longest the adapter waits for a scheduler's answer to an operation in the pause.
+IN_PAUSE_CALL_TIMEOUT_S = 600.0
 
 
 def merge_rank_outcomes(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
@@ -345,13 +351,13 @@ class SglangAdapter(EngineAdapter):
             started = time.perf_counter()
             await self._update(staged.payloads, "flattened_bucket", version)
             log.info("delta_swap: loaded %d tensors (%.1f MB) as %s", len(update.names), staged.nbytes / 1e6, version)
-            check_s = await self._read_back(staged.check_path, version) if staged.check_path else None
+            check_s = await self._read_back(staged.check_path) if staged.check_path else None
             self.verify_budget.record(time.perf_counter() - started - (check_s or 0.0), check_s)
 
-    async def _read_back(self, check_path: str, version: str) -> float:
+    async def _read_back(self, check_path: str) -> float:
         """Have the scheduler read back what the loaded modules compute with (before the engine
         generates on them); the check's seconds."""
-        outcome = await self._run_op({"op": "verify", "path": check_path}, version)
+        outcome = await self._run_op({"op": "verify", "path": check_path}, None)
         if not outcome.get("ok"):
             raise EngineError(f"sglang: {outcome.get('error')}")
         return self._record_verification(outcome)
@@ -370,6 +376,8 @@ class SglangAdapter(EngineAdapter):
         read the changed modules back, if due); a rank that fails undoes itself and answers why."""
         fail_after = await injected_swap_failure(update.version, self.weight_version)
         op: dict[str, Any] = {"op": "switch" if self.staged_path == "shadow" else "scatter", "fail_after": fail_after}
+        if fail_after >= 0:
+            op["fail_rank"] = injected_failure_rank(FAIL_SCATTER_ENV)
         if staged.check_path:
             op["verify_path"] = staged.check_path
         started = time.perf_counter()
@@ -378,42 +386,66 @@ class SglangAdapter(EngineAdapter):
             raise EngineError(f"sglang: the {self.staged_path} swap failed and was undone: {outcome.get('error')}")
         check_s = self._record_verification(outcome) if staged.check_path else None
         log.info(
-            "delta_swap: %s %d changed tensors as %s (%.1f ms in the scheduler, read-back included; %.1f ms in all)",
+            "delta_swap: %s %d changed tensors as %s",
             "switched in the new parameters of" if op["op"] == "switch" else "wrote the changed elements of",
             len(update.names),
             version,
-            1000 * float(outcome.get("seconds", 0.0)),
-            1000 * (time.perf_counter() - started),
         )
         self.verify_budget.record(time.perf_counter() - started - (check_s or 0.0), check_s)
 
     async def _commit(self, arena: Arena, version: str) -> None:
-        """Have the scheduler point every parameter at ``arena`` (delta-swap's custom loader)."""
+        """Have the scheduler point every parameter at ``arena``, in the pause."""
         outcome = await self._run_op({"op": "commit", "path": str(arena.path)}, version)
         if not outcome.get("ok"):
             raise EngineError(f"sglang: switching to the new weights failed: {outcome.get('error')}")
         assert self.arenas is not None
         self.arenas.live = arena
 
-    async def _run_op(self, op: dict[str, Any], version: str) -> dict[str, Any]:
-        """One operation of delta-swap's custom loader in every tensor-parallel rank's scheduler
-        (:mod:`.engine_ops`), and the outcomes they wrote, merged."""
-        import torch
-        from sglang.srt.utils import MultiprocessingSerializer
+    async def _run_op(self, op: dict[str, Any], version: str | None) -> dict[str, Any]:
+        """One operation in the pause on every tensor-parallel rank's scheduler thread
+        (:mod:`.engine_ops`), and their outcomes merged. With ``version``, each rank flushes its
+        cache first (unless requests keep their KV) and records the version once the weights are
+        in; the tokenizer manager then records it as SGLang's own updates do. Where some ranks failed a ``scatter`` or
+        ``switch``, the others take theirs back, so every rank serves the same weights."""
+        request = dict(op) if version is None else {**op, "version": version, "flush": not self._keep_kv}
+        started = time.perf_counter()
+        outcomes = await self._in_pause_on_ranks(request)
+        answered = time.perf_counter()
+        merged = merge_rank_outcomes(outcomes)
+        if not merged.get("ok") and op["op"] in ("scatter", "switch"):
+            done = [rank for rank, outcome in enumerate(outcomes) if outcome.get("ok")]
+            if done:
+                previous = await self.weight_version()
+                undone = await self._in_pause_on_ranks({"op": "undo", "version": previous}, done)
+                failed = next((o for o in undone if not o.get("ok")), None)
+                if failed is not None:
+                    merged["error"] = f"{merged.get('error')}; and another rank could not undo: {failed.get('error')}"
+        elif merged.get("ok") and version is not None:  # the schedulers recorded it: no round trip
+            self.tm.record_config_updates("tokenizer.weight_version", weight_version=version)
+        log.info(
+            "delta_swap: %s in the pause: %.1f ms in the slowest scheduler (read-back included), %.1f ms until "
+            "every rank answered, %.1f ms in all",
+            op["op"],
+            1000 * float(merged.get("seconds", 0.0)),
+            1000 * (answered - started),
+            1000 * (time.perf_counter() - started),
+        )
+        return merged
 
-        result = Path(staging_file(self.settings.staging_dir, "result", ".json"))
-        name = json.dumps({**op, "result": str(result)})
-        files = [result] + [Path(f"{result}.{rank}") for rank in range(1, self.tp_size)]
-        try:
-            # one payload per rank, serialized apart: each shares its tensor once (like pack's)
-            payloads = [MultiprocessingSerializer.serialize([(name, torch.zeros(1))]) for _ in range(self.tp_size)]
-            await self._update(payloads, LOADER, version)
-            return merge_rank_outcomes([json.loads(file.read_text()) for file in files])
-        except (OSError, ValueError) as exc:
-            raise EngineError(f"sglang: the weight loader reported nothing ({exc})") from None
-        finally:
-            for file in files:
-                file.unlink(missing_ok=True)
+    async def _in_pause_on_ranks(self, request: dict[str, Any], ranks: list[int] | None = None) -> list[dict[str, Any]]:
+        """``request`` to the schedulers of ``ranks`` (all by default) at once; each rank's outcome
+        (a channel that fails answers ``ok: False`` with why)."""
+
+        def call(rank: int) -> dict[str, Any]:
+            try:
+                return scheduler_channel.call(rank, request, timeout_s=IN_PAUSE_CALL_TIMEOUT_S)
+            except Exception as exc:  # a refused connection, a failed handshake, no answer
+                return {"ok": False, "error": f"rank {rank}: {type(exc).__name__}: {exc}"}
+
+        answers = await asyncio.gather(
+            *(asyncio.to_thread(call, r) for r in range(self.tp_size) if ranks is None or r in ranks)
+        )
+        return [a if "ok" in a else {"ok": False, "error": a.get("error")} for a in answers]
 
     async def _update(self, payloads: list[bytes], load_format: str, version: str) -> None:
         from sglang.srt.managers.io_struct import (

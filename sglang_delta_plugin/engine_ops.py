@@ -2,26 +2,22 @@
 
 * :func:`describe_after_init`, a ``HookRegistry`` AFTER hook on ``Scheduler.__init__``, lays the
   loaded model's parameters out as a weight-arena layout and writes it (or the reason there is
-  none) to the file named by ``$DELTA_SWAP_LAYOUT_FILE``, which the HTTP server process reads;
-* :func:`run` is registered as a ``--custom-weight-loader``: the adapter calls it through
-  ``update_weights_from_tensor(load_format=...)`` with one operation encoded in the tensor's name:
-  ``{"op": "commit", "path": ARENA, "result": FILE}`` points every parameter at that arena;
-  ``{"op": "verify", "path": SAFETENSORS, "result": FILE}`` reads back, after a load, what the
-  modules those tensors load into now compute with (:mod:`delta_swap.readback`); at tensor
-  parallel > 1 every rank checks its own shard, which :func:`local_shard` loads through the
-  module's own weight loader into a scratch copy of the rank's parameter;
-  ``{"op": "scatter", "fail_after": N, "verify_path": FILE?, "result": FILE}`` writes, in the
-  pause, the changed elements this rank staged (the in-place path: :func:`_on_channel` answers
-  the HTTP server's staging requests through :mod:`.scheduler_channel` while SGLang generates),
-  then reads back if asked; any failure puts the old values back;
-  ``{"op": "switch", ...}`` likewise points the changed parameters at the new tensors this rank
-  built before the pause (the shadow path, :mod:`delta_swap.param_switch`).
+  none) to the file named by ``$DELTA_SWAP_LAYOUT_FILE``, which the HTTP server process reads, and
+  answers the HTTP server's requests on this rank's :mod:`.scheduler_channel` (:func:`_on_channel`).
+* While SGLang generates, the channel stages updates: ``stage_inplace`` works out which elements
+  of this rank's parameters change, ``stage_shadow`` builds the new tensors of the parameters they
+  change (:mod:`delta_swap.param_switch`), ``stage_wait`` says whether that is done.
+* In the pause, the channel hands the swap to the scheduler's own thread (:mod:`.paused_loop`):
+  ``commit`` points every parameter at an arena; ``scatter`` writes the staged changed elements
+  with an undo log; ``switch`` points the changed parameters at their new tensors; ``verify``
+  reads back what the modules a safetensors file loads into compute with
+  (:mod:`delta_swap.readback`; at tensor parallel > 1 each rank its own shard, which
+  :func:`local_shards` loads through the module's own weight loader into a scratch copy). With
+  ``version``, the same job flushes SGLang's cache first (``flush``) and records the new weight
+  version after: no weight-update session is opened. A failure puts the old values back before
+  it is answered; ``undo`` takes back the last switch or scatter (another rank failed).
 
-Every tensor-parallel rank runs the operation; rank 0 writes ``FILE``, rank ``k`` ``FILE.k``
-(SGLang answers the HTTP server only after all ranks have returned).
-
-An exception escaping a custom loader ends SGLang's whole server, so :func:`run` never raises: it
-validates everything before the first parameter moves and reports the outcome in the result file.
+Nothing here raises into SGLang: an exception in the scheduler would end the whole server.
 """
 
 from __future__ import annotations
@@ -36,15 +32,16 @@ from typing import Any
 
 log = logging.getLogger("sglang_delta_plugin")
 
-#: Import path of :func:`run`, as SGLang's ``--custom-weight-loader`` names it.
-LOADER = "sglang_delta_plugin.engine_ops.run"
 LAYOUT_FILE_ENV = "DELTA_SWAP_LAYOUT_FILE"
 #: Llama-style fused parameters, for models that do not declare ``packed_modules_mapping``.
 DEFAULT_PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
-#: This scheduler's arena mappings (ArenaMappings, on the arena path) and staged update
-#: (StagedSwap, on the in-place and shadow paths).
-_state: dict[str, Any] = {"arenas": None, "staged": None}
+#: The longest a swap waits for the scheduler to take it in the pause.
+IN_PAUSE_TIMEOUT_S = 60.0
+
+#: This scheduler's arena mappings (ArenaMappings, on the arena path), staged update (StagedSwap,
+#: on the in-place and shadow paths) and the undo of the last scatter or switch (until dropped).
+_state: dict[str, Any] = {"arenas": None, "staged": None, "undo": None}
 
 
 def packed_modules(model: Any) -> dict[str, list[str]]:
@@ -58,11 +55,11 @@ def describe_after_init(result: Any, scheduler: Any, server_args: Any, *args: An
     of the changed parameters switched in; ``inplace``, changed elements written in place; ``auto``
     where no arena applies, or when asked), with the reason, and its fused-module mapping (which
     checkpoint tensors load into one module, for the read-back)."""
-    output = os.environ.get(LAYOUT_FILE_ENV)
-    if not output or LOADER not in (getattr(server_args, "custom_weight_loader", None) or []):
+    output = os.environ.get(LAYOUT_FILE_ENV)  # set by the HTTP server process when following a store
+    if not output:
         return
     refuse = amx_packed(scheduler)  # then no path is worked out: no update will be taken
-    packed, layout, staged, reason = None, None, None, refuse or ""
+    model, packed, layout, staged, reason = None, None, None, None, refuse or ""
     try:
         model = scheduler.tp_worker.model_runner.model
         packed = packed_modules(model)
@@ -75,9 +72,10 @@ def describe_after_init(result: Any, scheduler: Any, server_args: Any, *args: An
 
         _state["arenas"] = ArenaMappings(layout)
     rank = _tp_rank()
-    if staged:
-        opened, reason = _open_channel(model, packed or {}, rank, reason)
-        staged = staged if opened else None
+    if refuse is None:  # every swap goes through the channel: without one no update is taken
+        refuse = _open_channel(model, packed or {}, rank)
+        if refuse is not None:
+            layout, staged, reason, _state["arenas"] = None, None, refuse, None
     try:
         doc = {"layout": layout and layout.to_json(), "reason": reason, "packed": packed, "staged": staged}
         if refuse:
@@ -170,9 +168,9 @@ def _inplace_possible(model: Any, server_args: Any, packed: dict[str, list[str]]
     return inplace_possible(model, served, packed, default_weight_loader)
 
 
-def _open_channel(model: Any, packed: dict[str, list[str]], rank: int, reason: str) -> tuple[bool, str]:
-    """Keep a :class:`~delta_swap.staged_swap.StagedSwap` for ``model`` and answer the HTTP server's
-    staging requests on this rank's channel (in place: False and why, if it cannot)."""
+def _open_channel(model: Any, packed: dict[str, list[str]], rank: int) -> str | None:
+    """Keep a :class:`~delta_swap.staged_swap.StagedSwap` and answer the HTTP server's requests on
+    this rank's channel (None; or why it cannot)."""
     from delta_swap.staged_swap import StagedSwap
 
     from . import scheduler_channel
@@ -181,21 +179,30 @@ def _open_channel(model: Any, packed: dict[str, list[str]], rank: int, reason: s
     try:
         scheduler_channel.serve(rank, lambda request: _on_channel(model, packed, request))
     except (OSError, KeyError) as exc:
-        return False, f"no channel into the scheduler: {type(exc).__name__}: {exc}"
-    return True, reason
+        return f"no channel into the scheduler: {type(exc).__name__}: {exc}"
+    return None
+
+
+#: The operations that run in the pause, on the scheduler's thread.
+IN_PAUSE_OPS = ("commit", "scatter", "switch", "verify", "undo")
 
 
 def _on_channel(model: Any, packed: dict[str, list[str]], request: dict[str, Any]) -> dict[str, Any]:
-    """One staging request from the HTTP server (on the channel's thread, while SGLang generates):
+    """One request from the HTTP server, on the channel's thread. While SGLang generates:
     ``stage_inplace`` starts working out which elements of this rank's parameters the tensors of
     ``path`` change; ``stage_shadow`` starts building the new tensors of the parameters they
-    change; ``stage_wait`` answers whether that is done; ``drop_staged`` forgets it."""
+    change; ``stage_wait`` answers whether that is done; ``drop_staged`` forgets it. In the pause,
+    the operations of :data:`IN_PAUSE_OPS` (handed to the scheduler's thread)."""
     from sglang.srt.model_loader.weight_utils import default_weight_loader
 
     from delta_swap.staged_swap import FAIL_BUILD_ENV, injected_failure, read_staged
 
+    from .paused_loop import run_when_paused
+
     staged = _state["staged"]
     op = request.get("op")
+    if op in IN_PAUSE_OPS:
+        return run_when_paused(lambda scheduler: in_pause(scheduler, request), IN_PAUSE_TIMEOUT_S)
     if op == "stage_inplace":
         weights = read_staged(str(request["path"]), set(request["names"]))
         staged.stage_inplace(model, weights, packed, default_weight_loader)
@@ -208,6 +215,7 @@ def _on_channel(model: Any, packed: dict[str, list[str]], request: dict[str, Any
     if op == "stage_wait":
         return dict(staged.answer())
     if op == "drop_staged":
+        _state["undo"] = None
         staged.drop()
         return {"ok": True}
     return {"error": f"unknown operation {op!r}"}
@@ -228,32 +236,42 @@ def _describe(scheduler: Any, server_args: Any) -> tuple[Any, str]:
     return describe_arena(dict(model.named_parameters()), packed_modules(model), served)
 
 
-def run(model: Any, named_tensors: list[tuple[str, Any]]) -> None:
-    """SGLang's custom-weight-loader entry: perform the operation named by the first tensor."""
-    result = None
+def in_pause(scheduler: Any, request: dict[str, Any]) -> dict[str, Any]:
+    """Perform one of :data:`IN_PAUSE_OPS` on the scheduler's thread, the engine paused; the outcome
+    (``ok``, ``seconds``, ``checks`` read back, ``parameters`` written or switched, or ``error``).
+    With ``version``: flush SGLang's cache first if ``flush`` (the KV of the old weights; nothing
+    runs until the engine resumes), then record the version once the weights are in."""
+    import torch
+
+    started = time.perf_counter()
     try:
-        op = json.loads(named_tensors[0][0])
-        result = op.get("result")
-        started = time.perf_counter()
+        model = scheduler.tp_worker.model_runner.model
+        op = request.get("op")
+        if torch.accelerator.is_available():  # a forward the overlap scheduler launched may still run
+            torch.accelerator.synchronize()
+        if request.get("version") is not None and request.get("flush") and not scheduler.flush_cache(empty_cache=False):
+            return {
+                "ok": False,
+                "error": "SGLang did not flush its cache (requests still hold KV): nothing was swapped",
+            }
         outcome: dict[str, Any] = {"ok": True}
-        if op.get("op") == "commit":
-            _commit(model, str(op["path"]))
-        elif op.get("op") == "verify":
-            outcome["checks"] = _verify(model, str(op["path"]))
-        elif op.get("op") in ("scatter", "switch"):
-            outcome.update(_apply_staged(model, op))
+        if op == "commit":
+            _commit(model, str(request["path"]))
+        elif op == "verify":
+            outcome["checks"] = _verify(model, str(request["path"]))
+        elif op in ("scatter", "switch"):
+            outcome.update(_apply_staged(model, request))
+        elif op == "undo":
+            outcome["undone"] = _undo()
         else:
-            raise ValueError(f"unknown operation {op.get('op')!r}")
-        outcome["seconds"] = time.perf_counter() - started
+            raise ValueError(f"unknown operation {op!r}")
+        if request.get("version") is not None:
+            scheduler.record_weight_version_change(new_version=str(request["version"]))
     except Exception as exc:  # an exception here would end the whole server
         log.error("delta_swap: %s", traceback.format_exc())
-        outcome = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-    if result:
-        try:
-            rank = _tp_rank()
-            Path(result if rank == 0 else f"{result}.{rank}").write_text(json.dumps(outcome))
-        except OSError:
-            log.exception("delta_swap: cannot write the result file")
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+    outcome["seconds"] = time.perf_counter() - started
+    return outcome
 
 
 def _commit(model: Any, path: str) -> None:
@@ -272,7 +290,9 @@ def _apply_staged(model: Any, op: dict[str, Any]) -> dict[str, Any]:
     staged = _state["staged"]
     if staged is None:
         raise ValueError(f"{op['op']} without a staging channel")
-    count, undo = staged.apply(str(op["op"]), model, int(op.get("fail_after", -1)))
+    fail_rank = op.get("fail_rank")
+    fail_after = int(op.get("fail_after", -1)) if fail_rank is None or fail_rank == _tp_rank() else -1
+    count, undo = staged.apply(str(op["op"]), model, fail_after)
     outcome: dict[str, Any] = {"parameters": count}
     if op.get("verify_path"):
         try:
@@ -281,7 +301,20 @@ def _apply_staged(model: Any, op: dict[str, Any]) -> dict[str, Any]:
             with torch.inference_mode():
                 undo.undo()
             raise
+    _state["undo"] = undo
     return outcome
+
+
+def _undo() -> bool:
+    """Take back the last scatter or switch (another rank's failed); whether there was one."""
+    import torch
+
+    undo, _state["undo"] = _state["undo"], None
+    if undo is None:
+        return False
+    with torch.inference_mode():
+        undo.undo()
+    return True
 
 
 def _tp_rank() -> int:

@@ -1,7 +1,7 @@
 """``sglang.srt.plugins`` entry point: SGLang calls :func:`register` in its main, scheduler and
 detokenizer processes. The main (HTTP server) process gets the flags, the routes and the
-subscriber; the scheduler process describes its parameters for the weight arenas
-(:mod:`.engine_ops`)."""
+subscriber; the scheduler process describes its parameters and takes swaps in its paused loop
+(:mod:`.engine_ops`, :mod:`.paused_loop`)."""
 
 from __future__ import annotations
 
@@ -33,8 +33,10 @@ def register() -> None:
     _registered = True
     if multiprocessing.parent_process() is not None:  # a scheduler (or detokenizer) child
         from .engine_ops import describe_after_init
+        from .paused_loop import PAUSED_ITERATION, on_paused_iteration
 
         HookRegistry.register(SCHEDULER_INIT, describe_after_init, HookType.AFTER)
+        HookRegistry.register(PAUSED_ITERATION, on_paused_iteration, HookType.AFTER)
         return
     HookRegistry.register(ADD_CLI_ARGS, _after_add_cli_args, HookType.AFTER)
     HookRegistry.register(FROM_CLI_ARGS, _around_from_cli_args, HookType.AROUND)

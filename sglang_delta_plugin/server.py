@@ -27,20 +27,17 @@ def remember_args(args: argparse.Namespace) -> None:
 
 
 def enable_engine_ops(server_args: Any) -> None:
-    """When following a store: register delta-swap's custom weight loader with SGLang and name
-    the file the scheduler describes its parameters in (children inherit the environment)."""
+    """When following a store: name the file the scheduler describes its parameters in and the
+    channel each scheduler answers on (children inherit the environment)."""
     from . import scheduler_channel
-    from .engine_ops import LAYOUT_FILE_ENV, LOADER
+    from .engine_ops import LAYOUT_FILE_ENV
 
     settings = _settings or Settings.load()
     if not settings.store:
         return
-    loaders = list(getattr(server_args, "custom_weight_loader", None) or [])
-    if LOADER not in loaders:
-        server_args.custom_weight_loader = [*loaders, LOADER]
     os.environ[LAYOUT_FILE_ENV] = str(Path(settings.staging_dir) / f"delta-swap-layout-{os.getpid()}.json")
     os.environ[Settings.env_name("swap_path")] = settings.swap_path.value  # read by the scheduler
-    scheduler_channel.configure()  # where each scheduler answers staging requests (swap_path=inplace)
+    scheduler_channel.configure()  # where each scheduler answers the adapter's requests
 
 
 def install(app: Any, server_args: Any) -> None:

@@ -176,11 +176,19 @@ class TestQwen3MoeShadow(SglangExactness):
     family, swap_path = "qwen3_moe", "shadow"
 
 
-class TestQwen3TiedAutoTP2(TestQwen3TiedTensorTP2):
+class TestQwen3TiedAutoTP2(InjectedFailureTests, TestQwen3TiedTensorTP2):
     """``auto`` at TP 2 (no arena) takes the shadow path on the host: each rank builds the new
-    tensors of its own shard (the tied embedding's vocabulary half) before the pause."""
+    tensors of its own shard (the tied embedding's vocabulary half) before the pause. A switch
+    that fails on rank 1 alone is taken back on rank 0 too."""
 
     swap_path, auto_takes = "auto", "shadow"
+
+    def start_server(self, model: Path, workdir: Path, settings: Mapping[str, object], log_name: str) -> Server:
+        self.env = {**TestQwen3TiedTensorTP2.env, **self.failure_env(workdir, log_name)}
+        return super().start_server(model, workdir, settings, log_name)
+
+    def test_a_failure_on_one_rank_is_undone_on_every_rank(self, chain: Chain) -> None:
+        self.check_a_failed_swap(chain, FAIL_SCATTER_ENV, "injected failure after switching 1 parameters", "1@1")
 
 
 REVERT_FIXES = Path(__file__).parent / "support" / "revert_fixes"

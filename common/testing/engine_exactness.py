@@ -308,16 +308,18 @@ class InjectedFailureTests(EngineExactnessTests):
 
         return {env: str(self.failure_marker(workdir, env, log_name)) for env in (FAIL_SCATTER_ENV, FAIL_BUILD_ENV)}
 
-    def check_a_failed_swap(self, chain: Chain, env: str, message: str) -> None:
-        """Make ``env``'s marker (fail after the first parameter or module), publish a step that
-        changes every layer-0 module, and check the failure, the served weights and the retry."""
+    def check_a_failed_swap(self, chain: Chain, env: str, message: str, marker_text: str = "1") -> None:
+        """Make ``env``'s marker (by default: fail after the first parameter or module, on every
+        rank), publish a step that changes every layer-0 module, and check the failure, the served
+        weights and the retry."""
         st = status(chain.server.url)
-        if st["swap_path"] != self.swap_path:
-            pytest.skip(_cannot_take(st, self.family, self.swap_path))
+        expected = self.auto_takes if self.swap_path == "auto" else self.swap_path
+        if st["swap_path"] != expected:
+            pytest.skip(_cannot_take(st, self.family, expected or self.swap_path))
         marker = self.failure_marker(chain.workdir, env, "plugin.log")
         step, failures = len(chain.checkpoints), st["failures"]
         before = self._served(chain.server.url)
-        marker.write_text("1")
+        marker.write_text(marker_text)
         try:
             checkpoint = self.perturb(chain.checkpoints[-1], chain.workdir / f"step-{step}", r"layers\.0\.", step)
             self.publish(chain.store, step, checkpoint)

@@ -277,7 +277,7 @@ async def amx_packed_weights_are_refused() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         layout = Path(tmp) / "layout.json"
         os.environ[engine_ops.LAYOUT_FILE_ENV] = str(layout)
-        server_args = SimpleNamespace(custom_weight_loader=[engine_ops.LOADER], tp_size=1, model_path=tmp)
+        server_args = SimpleNamespace(tp_size=1, model_path=tmp)
         engine_ops.describe_after_init(None, scheduler, server_args)
         tm = FakeTokenizerManager([])
         adapter = SglangAdapter(tm, ServedModel("/nonexistent", LAYOUT), Settings(store="file:///unused"))
