@@ -176,6 +176,13 @@ class TestQwen3MoeShadow(SglangExactness):
     family, swap_path = "qwen3_moe", "shadow"
 
 
+class TestQwen3TiedInplaceTP2(TestQwen3TiedTensorTP2):
+    """The in-place path at TP 2 (``swap_path=inplace``, what ``auto`` takes on a GPU): each rank
+    writes the changed elements of its own shard of the tied embedding in the pause."""
+
+    swap_path = "inplace"
+
+
 class TestQwen3TiedAutoTP2(InjectedFailureTests, TestQwen3TiedTensorTP2):
     """``auto`` at TP 2 (no arena) takes the shadow path on the host: each rank builds the new
     tensors of its own shard (the tied embedding's vocabulary half) before the pause. A switch
