@@ -23,6 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MethodType
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -171,14 +172,30 @@ def build_shadows(
             build.nbytes += _nbytes(shadow)
             sharing = _sharing_shadows(live, shadow, owners, engine)
             engine.process(shadow)
+            rebind_loaders(shadow, live)
             build.switches.append(ModuleSwitch(path, live, shadow.__dict__))
             for other_path, other, other_shadow in sharing:
                 engine.process(other_shadow)
+                rebind_loaders(other_shadow, other)
                 build.switches.append(ModuleSwitch(other_path, other, other_shadow.__dict__))
             if after_each is not None:
                 after_each(len(build.switches))
     build.seconds = time.perf_counter() - started
     return build, ignored
+
+
+def rebind_loaders(shadow: torch.nn.Module, live: torch.nn.Module) -> None:
+    """Bind the methods the shadow's tensors carry (their weight loaders) to ``live``, whose state
+    the shadow's becomes at the switch. Bound to the shadow object, each tensor would reach the
+    shadow and through its state the tensor again: a reference cycle, so a state the next update
+    replaces would wait for Python's cyclic collector (which vLLM's frozen heap rarely runs)
+    instead of going when the swap is final. vLLM's prepack copies a weight's loader onto the
+    packed weight, which keeps such a cycle on every MoE layer."""
+    tensors = [*shadow._parameters.values(), *shadow._buffers.values()]
+    for tensor in tensors:
+        for key, value in list(getattr(tensor, "__dict__", {}).items()):
+            if isinstance(value, MethodType) and value.__self__ is shadow:
+                setattr(tensor, key, value.__func__.__get__(live))
 
 
 def _owners(model: torch.nn.Module) -> dict[int, list[tuple[str, torch.nn.Module, str]]]:

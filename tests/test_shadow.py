@@ -243,3 +243,33 @@ def test_updates_in_a_row_each_serve_what_a_fresh_build_serves() -> None:
         )
         build.switch()
         assert torch.equal(model(TOKENS), built(state)[0](TOKENS))
+
+
+def test_a_replaced_state_goes_when_the_swap_is_final_without_the_cyclic_collector(monkeypatch) -> None:
+    """The loaders a shadow's tensors carry must not keep the shadow object: its state becomes the
+    live module's, and the state the next update replaces would then wait for Python's cyclic
+    collector (rare in vLLM, which freezes its heap) instead of going with the build."""
+    import gc
+    import weakref
+
+    def process(self: Linear) -> None:  # as vLLM's prepack: the processed weight keeps the loader
+        packed, bias, loader = (self.weight.data.t() * 2).contiguous(), self.bias, self.weight.weight_loader
+        self.packed_linear = lambda x: x @ packed / 2 + bias
+        self.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+        self.weight.weight_loader = loader  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(Linear, "process", process)
+    model, engine = built(checkpoint(0))
+    gc.collect()
+    gc.disable()
+    try:
+        states = []
+        for seed in (1, 2, 3):
+            new = checkpoint(seed)
+            build, _ = build_shadows(model, [(n, new[n]) for n in ("o.weight", "o.bias")], {}, engine, default_loader)
+            build.switch()
+            states.append(weakref.ref(model.o.weight))
+            del build  # the swap is final: the state it replaced goes now
+        assert [state() is None for state in states] == [True, True, False]
+    finally:
+        gc.enable()
