@@ -50,7 +50,7 @@ def _after_add_cli_args(result: Any, parser: argparse.ArgumentParser, *args: Any
 def _around_from_cli_args(original: Callable, cls: type, args: argparse.Namespace, *rest: Any, **kwargs: Any) -> Any:
     server.remember_args(args)
     server_args = original(cls, args, *rest, **kwargs)
-    server.enable_engine_ops(server_args)
+    server.enable_engine_ops()
     return server_args
 
 

@@ -26,7 +26,7 @@ def remember_args(args: argparse.Namespace) -> None:
         _settings = Settings.load(args)
 
 
-def enable_engine_ops(server_args: Any) -> None:
+def enable_engine_ops() -> None:
     """When following a store: name the file the scheduler describes its parameters in and the
     channel each scheduler answers on (children inherit the environment)."""
     from . import scheduler_channel
