@@ -49,6 +49,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,7 +74,9 @@ log = logging.getLogger("sglang_delta_plugin")
 #: The longest the ``wait`` drain goes on aborting requests that outlived its timeout before it
 #: swaps without them (capped by the timeout itself).
 ABORT_GRACE_S = 10.0
-#: The longest the adapter waits for a scheduler's answer to an operation in the pause.
+#: The longest the adapter waits for a scheduler's answer to a staging request, and to an
+#: operation in the pause.
+STAGE_CALL_TIMEOUT_S = 60.0
 IN_PAUSE_CALL_TIMEOUT_S = 600.0
 
 
@@ -223,13 +226,24 @@ class SglangAdapter(EngineAdapter):
 
     async def _on_ranks(self, request: dict[str, Any]) -> list[dict[str, Any]]:
         """One request to every rank's scheduler (:mod:`.scheduler_channel`); raises the first error."""
-        answers = await asyncio.gather(
-            *(asyncio.to_thread(scheduler_channel.call, rank, request) for rank in range(self.tp_size))
-        )
+        answers = await self._ask_ranks(request, range(self.tp_size), STAGE_CALL_TIMEOUT_S)
         failed = next((a for a in answers if a.get("error")), None)
         if failed is not None:
             raise EngineError(f"sglang: {request['op']} failed in the scheduler: {failed['error']}")
-        return list(answers)
+        return answers
+
+    @staticmethod
+    async def _ask_ranks(request: dict[str, Any], ranks: Iterable[int], timeout_s: float) -> list[dict[str, Any]]:
+        """``request`` to the schedulers of ``ranks`` at once; their answers (a channel that fails
+        answers ``{"error": ...}`` with why)."""
+
+        def call(rank: int) -> dict[str, Any]:
+            try:
+                return scheduler_channel.call(rank, request, timeout_s=timeout_s)
+            except Exception as exc:  # a refused connection, a failed handshake, no answer
+                return {"error": f"rank {rank}: {type(exc).__name__}: {exc}"}
+
+        return list(await asyncio.gather(*(asyncio.to_thread(call, rank) for rank in ranks)))
 
     async def unstage(self, staged: Any) -> None:
         if isinstance(staged, Bucket) and staged.check_path:
@@ -409,7 +423,7 @@ class SglangAdapter(EngineAdapter):
         ``switch``, the others take theirs back, so every rank serves the same weights."""
         request = dict(op) if version is None else {**op, "version": version, "flush": not self._keep_kv}
         started = time.perf_counter()
-        outcomes = await self._in_pause_on_ranks(request)
+        outcomes = await self._in_pause_on_ranks(request, range(self.tp_size))
         answered = time.perf_counter()
         merged = merge_rank_outcomes(outcomes)
         if not merged.get("ok") and op["op"] in ("scatter", "switch"):
@@ -432,19 +446,9 @@ class SglangAdapter(EngineAdapter):
         )
         return merged
 
-    async def _in_pause_on_ranks(self, request: dict[str, Any], ranks: list[int] | None = None) -> list[dict[str, Any]]:
-        """``request`` to the schedulers of ``ranks`` (all by default) at once; each rank's outcome
-        (a channel that fails answers ``ok: False`` with why)."""
-
-        def call(rank: int) -> dict[str, Any]:
-            try:
-                return scheduler_channel.call(rank, request, timeout_s=IN_PAUSE_CALL_TIMEOUT_S)
-            except Exception as exc:  # a refused connection, a failed handshake, no answer
-                return {"ok": False, "error": f"rank {rank}: {type(exc).__name__}: {exc}"}
-
-        answers = await asyncio.gather(
-            *(asyncio.to_thread(call, r) for r in range(self.tp_size) if ranks is None or r in ranks)
-        )
+    async def _in_pause_on_ranks(self, request: dict[str, Any], ranks: Iterable[int]) -> list[dict[str, Any]]:
+        """Each rank's outcome of an operation in the pause (``ok`` False, with why, where it failed)."""
+        answers = await self._ask_ranks(request, ranks, IN_PAUSE_CALL_TIMEOUT_S)
         return [a if "ok" in a else {"ok": False, "error": a.get("error")} for a in answers]
 
     async def _update(self, payloads: list[bytes], load_format: str, version: str) -> None:
