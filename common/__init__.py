@@ -117,6 +117,7 @@ _EXPORTS = {
     "PublishError": "errors",
     "EngineError": "errors",
     "EngineStateUnknownError": "errors",
+    "SwapUndoneError": "errors",
     "SignatureError": "errors",
 }
 

@@ -95,7 +95,9 @@ class EngineAdapter(ABC):
         weights, and set the engine's weight version to ``update.version``.
 
         Args: the update and what ``stage`` returned for it.
-        Raises: any error; the core restores the previous tensors through ``stage`` + ``swap``.
+        Raises: any error; the core restores the previous tensors through ``stage`` + ``swap``,
+        except after :class:`~delta_swap.errors.SwapUndoneError`: the adapter put the previous
+        weights and version back itself on every rank (an undo log, the old modules).
         """
 
     @abstractmethod

@@ -17,6 +17,7 @@
     │   └── TransientError            worth retrying: timeout, 5xx, dropped connection, short body
     ├── PublishError                  a background publish failed (the cause is chained)
     └── EngineError                   the inference engine refused or failed a weight update
+        ├── SwapUndoneError           ... and put the previous weights back itself, on every rank
         └── EngineStateUnknownError   ... and restoring the previous weights failed too
 
 Backends translate their own failures at the edge: the S3 and HTTP stores map botocore and
@@ -86,6 +87,11 @@ class PublishError(DeltaSwapError):
 
 class EngineError(DeltaSwapError):
     """The inference engine refused or failed a weight update (its message is kept)."""
+
+
+class SwapUndoneError(EngineError):
+    """A swap failed and the engine put the previous weights back itself, on every rank, in the
+    pause (each rank's undo log or old modules): the core has nothing to roll back."""
 
 
 class EngineStateUnknownError(EngineError):

@@ -295,7 +295,7 @@ def merge_staged(answers: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 #: Tests only: while the file this names exists and holds N, every in-place (shadow, switch) swap
 #: fails after writing N parameters (switching N modules or parameters), in the engine's process;
-#: ``N@R``: on tensor-parallel rank R only (SGLang).
+#: ``N@R``: on tensor-parallel rank R only.
 FAIL_SCATTER_ENV = "DELTA_SWAP_TEST_FAIL_SCATTER"
 #: Tests only: while the file this names exists and holds N, every shadow (switch) build fails after N modules.
 FAIL_BUILD_ENV = "DELTA_SWAP_TEST_FAIL_BUILD"

@@ -1,8 +1,9 @@
 """One update of a running engine, all or nothing: the skeleton every engine adapter plugs into.
 
 :func:`apply_update` checks the update against the served model, stages it while the engine
-generates, pauses, swaps, rolls back to the previous tensors if the swap fails, and always
-resumes. It times each phase (``stage``, ``pause``, ``swap``, ``rollback``, ``resume``) and
+generates, pauses, swaps, rolls back to the previous tensors if the swap fails (unless the adapter
+raised :class:`~delta_swap.errors.SwapUndoneError`: it put them back itself, on every rank), and
+always resumes. It times each phase (``stage``, ``pause``, ``swap``, ``rollback``, ``resume``) and
 translates engine failures into :class:`~delta_swap.errors.EngineError`.
 """
 
@@ -17,7 +18,7 @@ from typing import TypeVar
 
 from .checkpoint_dir import read_checkpoint_dir
 from .engine_adapter import EngineAdapter, WeightUpdate
-from .errors import DeltaSwapError, EngineError, EngineStateUnknownError
+from .errors import DeltaSwapError, EngineError, EngineStateUnknownError, SwapUndoneError
 from .settings import Settings
 from .tensors import specs_of
 
@@ -59,6 +60,11 @@ async def apply_update(
         try:
             with timed(timings, "swap", on_phase):
                 await _engine_call(adapter, adapter.swap(update, staged))
+        except SwapUndoneError as exc:  # every rank is back on the previous weights already
+            log.error(
+                "delta-swap: swapping in %s failed and the engine undid it on every rank: %s", update.version, exc
+            )
+            raise
         except BaseException as exc:
             with timed(timings, "rollback", on_phase):
                 try:

@@ -56,7 +56,7 @@ from typing import Any
 
 from delta_swap.arena import Arena, ArenaPair
 from delta_swap.engine_adapter import EngineAdapter, WeightUpdate
-from delta_swap.errors import EngineError
+from delta_swap.errors import EngineError, SwapUndoneError
 from delta_swap.module_groups import tensors_of_modules
 from delta_swap.served_model import ServedModel
 from delta_swap.settings import DrainPolicy, Settings
@@ -397,7 +397,11 @@ class SglangAdapter(EngineAdapter):
         started = time.perf_counter()
         outcome = await self._run_op(op, version)
         if not outcome.get("ok"):
-            raise EngineError(f"sglang: the {self.staged_path} swap failed and was undone: {outcome.get('error')}")
+            if outcome.get("undone_everywhere"):
+                raise SwapUndoneError(
+                    f"sglang: the {op['op']} failed and was taken back on every rank: {outcome.get('error')}"
+                )
+            raise EngineError(f"sglang: the {op['op']} failed: {outcome.get('error')}")
         check_s = self._record_verification(outcome) if staged.check_path else None
         log.info(
             "delta_swap: %s %d changed tensors as %s",
@@ -419,8 +423,9 @@ class SglangAdapter(EngineAdapter):
         """One operation in the pause on every tensor-parallel rank's scheduler thread
         (:mod:`.engine_ops`), and their outcomes merged. With ``version``, each rank flushes its
         cache first (unless requests keep their KV) and records the version once the weights are
-        in; the tokenizer manager then records it as SGLang's own updates do. Where some ranks failed a ``scatter`` or
-        ``switch``, the others take theirs back, so every rank serves the same weights."""
+        in; the tokenizer manager then records it as SGLang's own updates do. Where some ranks failed a
+        ``scatter`` or ``switch`` (each taking its own back), the others take theirs back, so every
+        rank serves the same weights: ``undone_everywhere`` says that all of them did."""
         request = dict(op) if version is None else {**op, "version": version, "flush": not self._keep_kv}
         started = time.perf_counter()
         outcomes = await self._in_pause_on_ranks(request, range(self.tp_size))
@@ -428,12 +433,12 @@ class SglangAdapter(EngineAdapter):
         merged = merge_rank_outcomes(outcomes)
         if not merged.get("ok") and op["op"] in ("scatter", "switch"):
             done = [rank for rank, outcome in enumerate(outcomes) if outcome.get("ok")]
-            if done:
-                previous = await self.weight_version()
-                undone = await self._in_pause_on_ranks({"op": "undo", "version": previous}, done)
-                failed = next((o for o in undone if not o.get("ok")), None)
-                if failed is not None:
-                    merged["error"] = f"{merged.get('error')}; and another rank could not undo: {failed.get('error')}"
+            undone = await self._in_pause_on_ranks({"op": "undo", "version": await self.weight_version()}, done)
+            stuck = [f"rank {rank}" for rank, o in enumerate(outcomes) if not o.get("ok") and not o.get("restored")]
+            stuck += [f"rank {rank}" for rank, o in zip(done, undone) if not (o.get("ok") and o.get("undone"))]
+            merged["undone_everywhere"] = not stuck
+            if stuck:
+                merged["error"] = f"{merged.get('error')}; not taken back on {', '.join(stuck)}"
         elif merged.get("ok") and version is not None:  # the schedulers recorded it: no round trip
             self.tm.record_config_updates("tokenizer.weight_version", weight_version=version)
         log.info(

@@ -14,8 +14,9 @@
   (:mod:`delta_swap.readback`; at tensor parallel > 1 each rank its own shard, which
   :func:`local_shards` loads through the module's own weight loader into a scratch copy). With
   ``version``, the same job flushes SGLang's cache first (``flush``) and records the new weight
-  version after: no weight-update session is opened. A failure puts the old values back before
-  it is answered; ``undo`` takes back the last switch or scatter (another rank failed).
+  version after: no weight-update session is opened. A failed ``scatter`` or ``switch`` puts the
+  old values back before it is answered (``restored``); ``undo`` takes back the last switch or
+  scatter (another rank failed).
 
 Nothing here raises into SGLang: an exception in the scheduler would end the whole server.
 """
@@ -269,9 +270,24 @@ def in_pause(scheduler: Any, request: dict[str, Any]) -> dict[str, Any]:
             scheduler.record_weight_version_change(new_version=str(request["version"]))
     except Exception as exc:  # an exception here would end the whole server
         log.error("delta_swap: %s", traceback.format_exc())
-        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        failed: dict[str, Any] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        if request.get("op") in ("scatter", "switch"):
+            failed["restored"] = _restore()
+        return failed
     outcome["seconds"] = time.perf_counter() - started
     return outcome
+
+
+def _restore() -> bool:
+    """After a failed ``scatter`` or ``switch``: whether this rank holds its old weights again. A
+    failure inside the apply was undone there (:meth:`StagedSwap.apply`); one after it (the
+    read-back, recording the version) is undone here."""
+    try:
+        _undo()
+    except Exception:
+        log.error("delta_swap: taking back the failed swap failed: %s", traceback.format_exc())
+        return False
+    return True
 
 
 def _commit(model: Any, path: str) -> None:
@@ -284,24 +300,19 @@ def _commit(model: Any, path: str) -> None:
 def _apply_staged(model: Any, op: dict[str, Any]) -> dict[str, Any]:
     """In the pause: write the staged changed elements into the live parameters (``scatter``) or
     point the changed parameters at their new tensors (``switch``), then read the changed modules
-    back against ``verify_path`` if given; any failure puts the old values back before it is raised."""
-    import torch
-
+    back against ``verify_path`` if given. A failure in the apply puts the old values back before it
+    is raised; the undo of a finished apply is kept (``_state["undo"]``), for :func:`in_pause` to
+    take back after a later failure or for another rank's failure (``undo``)."""
     staged = _state["staged"]
+    _state["undo"] = None
     if staged is None:
         raise ValueError(f"{op['op']} without a staging channel")
     fail_rank = op.get("fail_rank")
     fail_after = int(op.get("fail_after", -1)) if fail_rank is None or fail_rank == _tp_rank() else -1
-    count, undo = staged.apply(str(op["op"]), model, fail_after)
+    count, _state["undo"] = staged.apply(str(op["op"]), model, fail_after)  # undone in it if it fails
     outcome: dict[str, Any] = {"parameters": count}
-    if op.get("verify_path"):
-        try:
-            outcome["checks"] = _verify(model, str(op["verify_path"]))
-        except BaseException:
-            with torch.inference_mode():
-                undo.undo()
-            raise
-    _state["undo"] = undo
+    if op.get("verify_path"):  # a failure from here on is undone by in_pause
+        outcome["checks"] = _verify(model, str(op["verify_path"]))
     return outcome
 
 

@@ -39,6 +39,7 @@ EXPECTED = {
     "PublishError",
     "EngineError",
     "EngineStateUnknownError",
+    "SwapUndoneError",
     "SignatureError",
 }
 

@@ -13,6 +13,7 @@ import json
 import pytest
 
 from delta_swap import store_keys
+from delta_swap.errors import SwapUndoneError
 from delta_swap.publisher import Publisher, PublisherConfig
 from delta_swap.settings import Settings
 from delta_swap.stores import Store
@@ -197,13 +198,19 @@ async def test_a_push_notification_wakes_the_poller_at_once(tmp_path) -> None:
     await sub.stop()
 
 
-async def test_a_failed_rollback_makes_the_next_sync_reload_everything(tmp_path) -> None:
+async def _serving_step_1_with_step_2_published(tmp_path) -> tuple[list, RecordingAdapter, Subscriber]:
+    """Three RL steps; a subscriber that serves step 1, and step 2 published (a delta)."""
     steps = rl_steps(3)
     _publish(tmp_path, steps[:2], base_every=100)
     engine = RecordingAdapter()
     sub = Subscriber(Settings(store=str(tmp_path)), engine)
     await sub.sync()
     _publish(tmp_path, steps[2:], start=2, base_every=100)
+    return steps, engine, sub
+
+
+async def test_a_failed_rollback_makes_the_next_sync_reload_everything(tmp_path) -> None:
+    steps, engine, sub = await _serving_step_1_with_step_2_published(tmp_path)
     swap = engine.swap
     calls = []
 
@@ -223,6 +230,36 @@ async def test_a_failed_rollback_makes_the_next_sync_reload_everything(tmp_path)
     assert sub.status()["last_update_path"][0] == "step-0000000000"
     await sub.stop()
     assert_state_equal(engine.weights, steps[2])
+
+
+async def test_a_swap_the_engine_took_back_itself_is_not_rolled_back_again(tmp_path) -> None:
+    """An adapter that raises SwapUndoneError has put the previous weights back on every rank
+    (an undo log, the old modules): the core runs no rollback (no second stage and swap in the
+    pause), keeps the last good version, says why, and the next sync swaps the step in."""
+    steps, engine, sub = await _serving_step_1_with_step_2_published(tmp_path)
+    swap, stages = engine.swap, []
+    stage = engine.stage
+
+    async def counting_stage(update):
+        stages.append(update.version)
+        return await stage(update)
+
+    async def undone_once(update, staged):
+        engine.calls.append(f"swap:{update.version}")
+        engine.swap = swap
+        raise SwapUndoneError("recording: the switch failed and was taken back on every rank: rank 1 refused")
+
+    engine.stage, engine.swap = counting_stage, undone_once
+    assert not await sub.sync()
+    st = sub.status()
+    assert "SwapUndoneError" in st["last_error"] and "rank 1 refused" in st["last_error"], st
+    assert st["current_step"] == 1 and engine.version == sub.current.snapshot_id
+    assert stages == ["step-0000000002"], stages  # the update's stage, and no rollback's
+    assert engine.calls[-2:] == ["swap:step-0000000002", "resume"], engine.calls
+    assert_state_equal(engine.weights, steps[1])
+    assert await sub.sync() and sub.current.step == 2
+    assert_state_equal(engine.weights, steps[2])
+    await sub.stop()
 
 
 async def test_an_engine_with_weight_arenas_gets_updates_decoded_into_its_spare_copy(tmp_path) -> None:

@@ -209,11 +209,21 @@ class TestQwen3MoeShadow(VllmExactness):
     family, swap_path = "qwen3_moe", "shadow"
 
 
-class TestQwen3MoeShadowTP2(TensorParallel2):
+class TestQwen3MoeShadowTP2(InjectedFailureTests, TensorParallel2):
     """Each tensor-parallel rank builds the shadows of its own shards (its shard of every expert,
-    the router)."""
+    the router). A switch that fails on rank 1 alone is taken back on rank 0 too, in the same
+    pause: the core then runs no rollback, so served weights other than the last good step's
+    fail the test."""
 
     family, swap_path = "qwen3_moe", "shadow"
+
+    def start_server(self, model: Path, workdir: Path, settings: Mapping[str, object], log_name: str) -> Server:
+        self.env = {**TensorParallel2.env, **self.failure_env(workdir, log_name)}
+        return super().start_server(model, workdir, settings, log_name)
+
+    def test_a_failure_on_one_rank_is_undone_on_every_rank(self, chain: Chain) -> None:
+        message = "taken back on every rank (1 of 2 workers had finished theirs): RuntimeError: delta_swap: injected"
+        self.check_a_failed_swap(chain, FAIL_SCATTER_ENV, message, "1@1")
 
 
 @pytest.mark.full_matrix("the tied embedding in place: TestQwen3TiedAutoTP2")

@@ -45,11 +45,18 @@ from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
 from delta_swap.arena import Arena, ArenaPair
 from delta_swap.engine_adapter import EngineAdapter, WeightUpdate
-from delta_swap.errors import EngineError
+from delta_swap.errors import EngineError, SwapUndoneError
 from delta_swap.module_groups import complete_modules, module_groups, tensors_of_modules
 from delta_swap.served_model import ServedModel
 from delta_swap.settings import DrainPolicy, Settings, SwapPath
-from delta_swap.staged_swap import FAIL_BUILD_ENV, injected_failure, injected_swap_failure, merge_staged
+from delta_swap.staged_swap import (
+    FAIL_BUILD_ENV,
+    FAIL_SCATTER_ENV,
+    injected_failure,
+    injected_failure_rank,
+    injected_swap_failure,
+    merge_staged,
+)
 from delta_swap.staging_files import staging_file, until_staged, write_tensors
 from delta_swap.tensors import StateDict, TensorSpecs
 from delta_swap.verify_budget import VerifyBudget
@@ -329,10 +336,10 @@ class VllmAdapter(EngineAdapter):
             self.arenas.live = staged
         else:
             fail_after = await injected_swap_failure(update.version, self.weight_version)
-            if staged.inplace:  # a worker that fails undoes its writes and answers the error
-                await self._apply(staged, {"op": "scatter", "fail_after": fail_after}, answered=True)
-            elif staged.shadow:  # likewise, switching its modules back
-                await self._apply(staged, {"op": "switch", "fail_after": fail_after}, answered=True)
+            fail_rank = injected_failure_rank(FAIL_SCATTER_ENV)
+            if staged.inplace or staged.shadow:  # a worker that fails takes its own writes (modules) back
+                op = {"op": "scatter" if staged.inplace else "switch", "fail_after": fail_after}
+                await self._apply(staged, {**op, "fail_rank": -1 if fail_rank is None else fail_rank}, answered=True)
             else:
                 await self._apply(staged, {"op": "load", "path": staged.path, "names": staged.names})
             if update.version is not None:
@@ -359,14 +366,43 @@ class VllmAdapter(EngineAdapter):
         if staged.verify or answered:
             try:
                 await self._call({**info, "output": output})
-            finally:
-                answers = read_worker_results(output)  # raises a worker's error
+            except BaseException:
+                read_worker_results(output)  # raises a worker's error: it says more than vLLM's wrapper
+                raise
+            answers = read_worker_results(output, raise_errors=False)
+            failed = [answer for answer in answers if answer.get("error")]
+            if failed and info["op"] in ("scatter", "switch"):
+                await self._take_back(info["op"], answers)
+            if failed:
+                raise EngineError(f"vllm: {failed[0]['error']}")
         else:
             await self._call(info)
         if staged.verify:
             self.last_verification = merge_verifications(answers)
             check_s = self.last_verification["seconds"]
         self.verify_budget.record(time.perf_counter() - started - (check_s or 0.0), check_s)
+
+    async def _take_back(self, op: str, answers: list[dict[str, Any]]) -> None:
+        """Some workers failed ``op`` (each taking its own back): have the others take theirs
+        back, so every rank serves the previous weights; raise SwapUndoneError if all of them do
+        (the core then has nothing to roll back), else EngineError naming what stayed."""
+        error = next(answer["error"] for answer in answers if answer.get("error"))
+        output = str(staging_file(self.settings.staging_dir, "undo", ".json"))
+        try:
+            await self._call({"op": "undo", "output": output})
+            undone = read_worker_results(output)
+        except Exception as exc:
+            raise EngineError(
+                f"vllm: the {op} failed ({error}) and the other ranks could not take theirs back: {exc}"
+            ) from exc
+        stuck = sum(1 for answer in answers if answer.get("error") and not answer.get("restored"))
+        if stuck:
+            raise EngineError(f"vllm: the {op} failed and {stuck} worker(s) could not take theirs back: {error}")
+        took_back = sum(1 for answer in undone if answer.get("undone"))
+        raise SwapUndoneError(
+            f"vllm: the {op} failed and was taken back on every rank ({took_back} of {len(answers)} workers had "
+            f"finished theirs): {error}"
+        )
 
     def engine_error(self, exc: BaseException) -> EngineError:
         """vLLM wraps a worker's exception in two layers of text; keep the worker's own message."""

@@ -23,6 +23,9 @@
   is done (or why this update must be reloaded instead: a module the shadow build cannot make, such
   as MoE experts); in the pause ``switch`` points every changed module at its shadow, reads the
   changed modules back if asked, and switches back on any failure;
+* ``undo``: take back this worker's last ``scatter`` or ``switch`` (another rank failed its own),
+  until ``drop_staged`` makes the swap final; a failed ``scatter`` or ``switch`` answers
+  ``restored`` once its own worker holds the old weights again;
 * ``load`` (default): load the tensors of a staged safetensors file or checkpoint folder through
   vLLM's layerwise reload, which works after CPU (oneDNN, AMX) or GPU post-load processing has
   repacked the weights: the reload path, used everywhere else. Modules that share a parameter
@@ -44,6 +47,7 @@ from typing import Any
 
 import torch
 from vllm.config import set_current_vllm_config
+from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -89,8 +93,9 @@ class DeltaSwapUpdateInfo(WeightTransferUpdateInfo):
     verify_path: str = ""
     verify_names: list[str] = field(default_factory=list)
     #: With ``scatter`` / ``switch``: fail after writing this many parameters or switching this many
-    #: modules (tests of the undo; -1: never).
+    #: modules (tests of the undo; -1: never), on the tensor-parallel rank ``fail_rank`` alone (-1: on every rank).
     fail_after: int = -1
+    fail_rank: int = -1
 
 
 class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapUpdateInfo]):
@@ -112,6 +117,8 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         #: The in-place and shadow paths: what a thread of this worker stages while the engine
         #: generates, and the undo, kept until the swap is final.
         self._staged = StagedSwap()
+        #: The undo of this worker's last scatter or switch, until the swap is final.
+        self._undo: Any = None
 
     def init_transfer_engine(self, init_info: DeltaSwapInitInfo) -> None:
         pass
@@ -139,7 +146,10 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             write_worker_result(update_info.output, self._staged.answer())
         elif update_info.op == "stage_shadow":
             self._stage_shadow(update_info)
+        elif update_info.op == "undo":
+            write_worker_result(update_info.output, {"undone": self._take_back()})
         elif update_info.op == "drop_staged":
+            self._undo = None
             self._staged.drop()
         else:
             raise ValueError(f"delta_swap: unknown operation {update_info.op!r}")
@@ -240,23 +250,39 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         why answered, not raised)."""
         started = time.perf_counter()
         unit = "parameters" if update_info.op == "scatter" else "modules"
+        self._undo = None
+        fails = update_info.fail_rank < 0 or update_info.fail_rank == get_tensor_model_parallel_rank()
         try:
-            count, undo = self._staged.apply(update_info.op, self.model, update_info.fail_after)
+            count, undo = self._staged.apply(update_info.op, self.model, update_info.fail_after if fails else -1)
         except Exception as exc:  # scatter and switch undo themselves
             log.error("delta_swap: the %s failed and was undone: %s", update_info.op, exc)
             write_worker_result(
-                update_info.output, {"checks": 0, "seconds": 0.0, "error": f"{type(exc).__name__}: {exc}"}
+                update_info.output,
+                {"checks": 0, "seconds": 0.0, "error": f"{type(exc).__name__}: {exc}", "restored": True},
             )
             return
         written = time.perf_counter() - started
         log.info("delta_swap: %s of %d %s in %.1f ms", update_info.op, count, unit, 1000 * written)
         if not update_info.verify_path:
+            self._undo = undo
             write_worker_result(update_info.output, {"checks": 0, "seconds": 0.0, "written_s": written})
             return
-        if not self._verify(update_info.verify_path, update_info.verify_names, update_info.output):
-            with torch.inference_mode():
-                undo.undo()
-            log.error("delta_swap: the read-back after the %s failed: the old %s are back", update_info.op, unit)
+        if self._verify(update_info.verify_path, update_info.verify_names, update_info.output, restored=True):
+            self._undo = undo
+            return
+        with torch.inference_mode():
+            undo.undo()
+        log.error("delta_swap: the read-back after the %s failed: the old %s are back", update_info.op, unit)
+
+    def _take_back(self) -> bool:
+        """Undo this worker's last scatter or switch (another rank failed); whether there was one."""
+        undo, self._undo = self._undo, None
+        if undo is None:
+            return False
+        with torch.inference_mode():
+            undo.undo()
+        log.info("delta_swap: took back the last swap (another rank failed)")
+        return True
 
     def _load(self, update_info: DeltaSwapUpdateInfo) -> None:
         started = time.perf_counter()
@@ -278,10 +304,11 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             self._finalize()
             self._verify(update_info.verify_path, update_info.verify_names, update_info.output)
 
-    def _verify(self, path: str, names: list[str], output: str) -> bool:
+    def _verify(self, path: str, names: list[str], output: str, restored: bool = False) -> bool:
         """Read back the modules a ``load`` just reloaded (and those sharing a parameter with
         them) through the engine's own kernels against the tensors ``names`` of the file ``path``;
-        raise if any computes with other values; write what was checked to ``output``."""
+        raise if any computes with other values; write what was checked to ``output`` (a failure
+        answered there says ``restored``: whether the caller then puts the old weights back)."""
         started = time.perf_counter()
         parallel = self.vllm_config.parallel_config
         if parallel.pipeline_parallel_size > 1:
@@ -306,7 +333,8 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             # at the first failed one, so with several workers every later call would read the
             # answer left over from this one. The API server raises on any worker's error.
             log.error("delta_swap: the read-back failed: %s", message)
-            write_worker_result(output, {"checks": 0, "seconds": time.perf_counter() - started, "error": message})
+            answer = {"checks": 0, "seconds": time.perf_counter() - started, "error": message, "restored": restored}
+            write_worker_result(output, answer)
             return False
         seconds = time.perf_counter() - started
         log.info("delta_swap: verified %d modules against the snapshot in %.1f ms", checks, 1000 * seconds)

@@ -23,9 +23,10 @@ def write_worker_result(output: str, doc: dict[str, Any]) -> None:
     os.replace(final + ".tmp", final)
 
 
-def read_worker_results(output: str) -> list[dict[str, Any]]:
+def read_worker_results(output: str, raise_errors: bool = True) -> list[dict[str, Any]]:
     """The answers that :func:`write_worker_result` left for ``output`` (removed once read); raises
-    EngineError with the first worker's ``"error"`` if any worker reported one."""
+    EngineError with the first worker's ``"error"`` if any worker reported one (unless not
+    ``raise_errors``)."""
     out = []
     for file in sorted(Path(output).parent.glob(Path(output).name + ".*")):
         if file.suffix == ".tmp":
@@ -33,6 +34,6 @@ def read_worker_results(output: str) -> list[dict[str, Any]]:
         out.append(json.loads(file.read_text()))
         file.unlink()
     errors = [answer["error"] for answer in out if answer.get("error")]
-    if errors:
+    if errors and raise_errors:
         raise EngineError(f"vllm: {errors[0]}")
     return out
