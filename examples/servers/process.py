@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -50,6 +50,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class PortTakenError(RuntimeError):
+    """The server could not listen on its port: something else took it between :func:`free_port`
+    choosing it and the server binding it (a server binds only once its engine is up, and meanwhile
+    its own ranks open many connections, each on a port from the same range)."""
+
+
+#: How many ports :func:`start_on_a_free_port` tries.
+PORT_ATTEMPTS = 3
+
+
+def start_on_a_free_port(launch: Callable[[int], Server], wait: bool, timeout_s: float) -> Server:
+    """``launch(port)`` on a free port and (with ``wait``) wait until it is healthy; where the port
+    was taken meanwhile (:class:`PortTakenError`), again on another, up to :data:`PORT_ATTEMPTS` times."""
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        server = launch(free_port())
+        if not wait:
+            return server
+        try:
+            return server.wait_healthy(timeout_s)
+        except PortTakenError as exc:
+            if attempt == PORT_ATTEMPTS:
+                raise
+            print(f"{server.url}: {exc}; starting again on another port", file=sys.stderr)
+    raise AssertionError("unreachable")
+
+
 @dataclass
 class Server:
     """A running server: its base URL, process and log file."""
@@ -70,6 +96,9 @@ class Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if "address already in use" in self.log_tail(20).lower():
+                self.stop()
+                raise PortTakenError(f"the port was taken before the server could listen on it: {self.log_tail(3)}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return self

@@ -17,7 +17,15 @@ from pathlib import Path
 
 from delta_swap.settings import Settings
 
-from .process import GPU_MEMORY_FRACTION, ROOT, Server, device, free_port, launch_server, with_freshness_record
+from .process import (
+    GPU_MEMORY_FRACTION,
+    ROOT,
+    Server,
+    device,
+    launch_server,
+    start_on_a_free_port,
+    with_freshness_record,
+)
 
 
 @cache
@@ -109,16 +117,18 @@ def start(
     ``prefix`` (e.g. ``ip netns exec NS``) it runs there; reached at a ``host`` other than
     loopback, it listens on every address."""
     workdir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
     settings = with_freshness_record(settings, workdir)
     full_env = {**environment(plugin=plugin, shim_log=shim_log), **(env or {})}
-    argv = command(
-        model,
-        port,
-        served_name=served_name,
-        settings=settings if plugin else None,
-        extra=extra,
-        bind="127.0.0.1" if host == "127.0.0.1" else "0.0.0.0",
-    )
-    server = launch_server(argv, full_env, workdir / log_name, port, python=python(), host=host, prefix=prefix)
-    return server.wait_healthy(timeout_s) if wait else server
+
+    def launch(port: int) -> Server:
+        argv = command(
+            model,
+            port,
+            served_name=served_name,
+            settings=settings if plugin else None,
+            extra=extra,
+            bind="127.0.0.1" if host == "127.0.0.1" else "0.0.0.0",
+        )
+        return launch_server(argv, full_env, workdir / log_name, port, python=python(), host=host, prefix=prefix)
+
+    return start_on_a_free_port(launch, wait, timeout_s)
