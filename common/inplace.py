@@ -25,6 +25,7 @@ import torch
 from .errors import EngineError
 from .loader_redirect import load_into_copies
 from .module_groups import module_of
+from .undo import take_back
 
 #: An integer dtype of each element size, to compare and copy elements bit for bit.
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -136,7 +137,7 @@ def scatter(
 
     Everything is checked and every old value saved before the first write; if a write fails
     (or ``after_each``, called with the number of parameters written so far, raises), what was
-    written is undone and the error raised.
+    written is undone and the error raised (marked if the undo failed too: :func:`.undo.restored`).
     """
     log = save_old_values(params, changes) if saved is None else saved
     if len(log.entries) != len(changes):
@@ -146,8 +147,8 @@ def scatter(
             _write(flat, change.positions, change.values)
             if after_each is not None:
                 after_each(done)
-    except BaseException:
-        log.undo()
+    except BaseException as exc:
+        take_back(log.undo, exc)
         raise
     return log
 

@@ -31,6 +31,7 @@ import torch
 from .errors import EngineError
 from .loader_redirect import load_redirected, loader_of, with_param
 from .module_groups import module_of
+from .undo import take_back
 
 T = TypeVar("T")
 
@@ -99,14 +100,15 @@ def switch_each(
     after_each: Callable[[int], None] | None,
 ) -> None:
     """Switch every item in order, calling ``after_each`` with the number switched so far; on any
-    failure (``after_each`` raising included) ``undo`` and raise."""
+    failure (``after_each`` raising included) ``undo`` and raise (marked if the undo failed too:
+    :func:`delta_swap.undo.restored`)."""
     try:
         for done, item in enumerate(items, start=1):
             switch_one(item)
             if after_each is not None:
                 after_each(done)
-    except BaseException:
-        undo()
+    except BaseException as exc:
+        take_back(undo, exc)
         raise
 
 

@@ -33,6 +33,7 @@ from .inplace import ElementChanges, UndoLog, element_changes, save_old_values, 
 from .param_switch import ParameterSwitch, build_parameter_switch
 from .served_model import ServedModel
 from .shadow import ShadowBuild, ShadowEngine, ShadowUnsupported, build_shadows
+from .undo import take_back
 
 log = logging.getLogger("delta_swap")
 
@@ -223,7 +224,8 @@ class StagedSwap:
         """In the pause: ``scatter`` the staged changes into ``model``'s live parameters, or
         ``switch`` the changed modules to their shadows (the changed parameters to their new
         tensors); (how many parameters or modules, the undo). A failure (or, with ``fail_after``
-        >= 0, one injected after that many) puts the old values (modules) back before it is raised."""
+        >= 0, one injected after that many) puts the old values (modules) back before it is raised,
+        marked where that failed too (:func:`delta_swap.undo.restored`)."""
         inplace = op == "scatter"
         staged = self._staging.result() if self._staging is not None else None  # done: waited for before the pause
 
@@ -249,8 +251,12 @@ class StagedSwap:
             else:
                 before = "stage_inplace" if inplace else "stage_shadow or stage_switch"
                 raise RuntimeError(f"delta_swap: {op} before {before}")
-            if torch.accelerator.is_available():
-                torch.accelerator.synchronize()
+            if torch.accelerator.is_available():  # a write that failed on the device shows here
+                try:
+                    torch.accelerator.synchronize()
+                except BaseException as exc:
+                    take_back(undo.undo, exc)
+                    raise
         return count, undo
 
     def drop(self) -> None:

@@ -204,6 +204,8 @@ def _on_channel(model: Any, packed: dict[str, list[str]], request: dict[str, Any
     op = request.get("op")
     if op in IN_PAUSE_OPS:
         return run_when_paused(lambda scheduler: in_pause(scheduler, request), IN_PAUSE_TIMEOUT_S)
+    if op in ("stage_inplace", "stage_shadow"):
+        _state["undo"] = None  # a new update: the last one's swap is final
     if op == "stage_inplace":
         weights = read_staged(str(request["path"]), set(request["names"]))
         staged.stage_inplace(model, weights, packed, default_weight_loader)
@@ -245,6 +247,8 @@ def in_pause(scheduler: Any, request: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     started = time.perf_counter()
+    if request.get("op") in ("scatter", "switch"):
+        _state["undo"] = None  # an earlier update's: never taken back for this one
     try:
         model = scheduler.tp_worker.model_runner.model
         op = request.get("op")
@@ -272,16 +276,20 @@ def in_pause(scheduler: Any, request: dict[str, Any]) -> dict[str, Any]:
         log.error("delta_swap: %s", traceback.format_exc())
         failed: dict[str, Any] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         if request.get("op") in ("scatter", "switch"):
-            failed["restored"] = _restore()
+            failed["restored"] = _restore(exc)
         return failed
     outcome["seconds"] = time.perf_counter() - started
     return outcome
 
 
-def _restore() -> bool:
+def _restore(failure: BaseException) -> bool:
     """After a failed ``scatter`` or ``switch``: whether this rank holds its old weights again. A
-    failure inside the apply was undone there (:meth:`StagedSwap.apply`); one after it (the
-    read-back, recording the version) is undone here."""
+    failure inside the apply was undone there (:meth:`StagedSwap.apply`, which marks it if that
+    failed too); one after it (the read-back, recording the version) is undone here."""
+    from delta_swap.undo import restored
+
+    if not restored(failure):
+        return False
     try:
         _undo()
     except Exception:
@@ -304,7 +312,6 @@ def _apply_staged(model: Any, op: dict[str, Any]) -> dict[str, Any]:
     is raised; the undo of a finished apply is kept (``_state["undo"]``), for :func:`in_pause` to
     take back after a later failure or for another rank's failure (``undo``)."""
     staged = _state["staged"]
-    _state["undo"] = None
     if staged is None:
         raise ValueError(f"{op['op']} without a staging channel")
     fail_rank = op.get("fail_rank")

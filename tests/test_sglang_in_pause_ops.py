@@ -94,3 +94,15 @@ def test_a_failed_scatter_never_takes_back_the_one_before_it(scheduler) -> None:
     out = engine_ops.in_pause(scheduler, {"op": "scatter", "fail_after": 0, "version": "v2", "flush": True})
     assert not out["ok"] and out["restored"], out
     assert _served(scheduler) == _bits(first)  # still v1's weights, not v0's
+
+
+def test_a_failed_scatter_whose_undo_fails_too_is_not_called_restored(scheduler, monkeypatch) -> None:
+    from delta_swap.inplace import UndoLog
+
+    def broken_undo(self) -> None:
+        raise RuntimeError("scripted: the undo failed")
+
+    _stage(scheduler, 3)
+    monkeypatch.setattr(UndoLog, "undo", broken_undo)
+    out = engine_ops.in_pause(scheduler, {"op": "scatter", "fail_after": 1, "version": "v1", "flush": True})
+    assert not out["ok"] and out["restored"] is False, out

@@ -398,7 +398,13 @@ class VllmAdapter(EngineAdapter):
         stuck = sum(1 for answer in answers if answer.get("error") and not answer.get("restored"))
         if stuck:
             raise EngineError(f"vllm: the {op} failed and {stuck} worker(s) could not take theirs back: {error}")
+        finished = sum(1 for answer in answers if not answer.get("error"))
         took_back = sum(1 for answer in undone if answer.get("undone"))
+        if len(undone) != len(answers) or took_back != finished:
+            raise EngineError(
+                f"vllm: the {op} failed ({error}); of {finished} workers that had finished theirs, "
+                f"{took_back} took it back ({len(undone)} of {len(answers)} answered)"
+            )
         raise SwapUndoneError(
             f"vllm: the {op} failed and was taken back on every rank ({took_back} of {len(answers)} workers had "
             f"finished theirs): {error}"

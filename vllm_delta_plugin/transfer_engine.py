@@ -65,6 +65,7 @@ from delta_swap.served_model import ServedModel
 from delta_swap.settings import Settings, SwapPath
 from delta_swap.staged_swap import StagedSwap, inplace_possible, read_staged
 from delta_swap.torch_params import ArenaMappings, describe_arena
+from delta_swap.undo import restored
 
 from .readback_shards import local_shards
 from .shadow_build import VllmShadowEngine, cpu_experts, shadow_possible
@@ -146,8 +147,12 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             write_worker_result(update_info.output, self._staged.answer())
         elif update_info.op == "stage_shadow":
             self._stage_shadow(update_info)
-        elif update_info.op == "undo":
-            write_worker_result(update_info.output, {"undone": self._take_back()})
+        elif update_info.op == "undo":  # answered, not raised (see _verify)
+            try:
+                write_worker_result(update_info.output, {"undone": self._take_back()})
+            except Exception as exc:
+                log.error("delta_swap: taking back the last swap failed: %s", exc)
+                write_worker_result(update_info.output, {"undone": False, "error": f"{type(exc).__name__}: {exc}"})
         elif update_info.op == "drop_staged":
             self._undo = None
             self._staged.drop()
@@ -254,11 +259,11 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         fails = update_info.fail_rank < 0 or update_info.fail_rank == get_tensor_model_parallel_rank()
         try:
             count, undo = self._staged.apply(update_info.op, self.model, update_info.fail_after if fails else -1)
-        except Exception as exc:  # scatter and switch undo themselves
+        except Exception as exc:  # scatter and switch undo themselves (and say if that failed)
             log.error("delta_swap: the %s failed and was undone: %s", update_info.op, exc)
             write_worker_result(
                 update_info.output,
-                {"checks": 0, "seconds": 0.0, "error": f"{type(exc).__name__}: {exc}", "restored": True},
+                {"checks": 0, "seconds": 0.0, "error": f"{type(exc).__name__}: {exc}", "restored": restored(exc)},
             )
             return
         written = time.perf_counter() - started
@@ -270,8 +275,16 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         if self._verify(update_info.verify_path, update_info.verify_names, update_info.output, restored=True):
             self._undo = undo
             return
-        with torch.inference_mode():
-            undo.undo()
+        try:
+            with torch.inference_mode():
+                undo.undo()
+        except Exception as exc:  # answered, not raised (see _verify)
+            log.error(
+                "delta_swap: the read-back after the %s failed, and so did taking it back: %s", update_info.op, exc
+            )
+            error = f"the read-back failed and taking the {update_info.op} back failed too: {type(exc).__name__}: {exc}"
+            write_worker_result(update_info.output, {"checks": 0, "seconds": 0.0, "error": error, "restored": False})
+            return
         log.error("delta_swap: the read-back after the %s failed: the old %s are back", update_info.op, unit)
 
     def _take_back(self) -> bool:

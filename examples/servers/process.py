@@ -94,11 +94,11 @@ class Server:
         """Wait until ``GET /health`` answers 200; raise (and stop the server) otherwise."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if "address already in use" in self.log_tail(20).lower():
+            if "address already in use" in self.log_tail(20).lower():  # it may hang or exit on it
                 self.stop()
                 raise PortTakenError(f"the port was taken before the server could listen on it: {self.log_tail(3)}")
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
                     return self
