@@ -41,6 +41,7 @@ point here::
              module_groups          which checkpoint tensors an engine loads into one module
              loader_redirect        loading through a model's own loaders into other tensors
                                     than its live parameters
+             undo                   taking a failed swap back, and whether that worked
              inplace                writing only the changed elements into live parameters, with
                                     an undo log (swap_path=inplace)
              shadow                 building changed modules processed before the pause and
