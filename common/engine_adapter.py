@@ -124,15 +124,25 @@ class EngineAdapter(ABC):
         return EngineError(f"{self.name}: {type(exc).__name__}: {exc}")
 
 
-def refuse_unverified_weights(quantization: str | None, lora_flags: str | None, multimodal: bool) -> None:
+def refuse_unverified_weights(
+    quantization: str | None,
+    lora_flags: str | None,
+    multimodal: bool,
+    exact_quantizations: Mapping[str, str | None] | None = None,
+) -> None:
     """Raise ConfigError (one line) for a server whose weights are not the published tensors, as
-    delta-swap cannot keep it exact yet: quantized (``--quantization``), with LoRA adapters
-    (``lora_flags``: the engine's flags that enabled them, None without), or multimodal. Engine
-    adapters call it when their server starts."""
-    if quantization:
+    delta-swap cannot keep it exact yet: quantized (``--quantization``) other than as the adapter
+    keeps exact (``exact_quantizations``: name -> None, or why not on this server), with LoRA
+    adapters (``lora_flags``: the engine's flags that enabled them, None without), or multimodal.
+    Engine adapters call it when their server starts."""
+    exact = exact_quantizations or {}
+    if quantization and quantization in exact and exact[quantization] is not None:
+        raise ConfigError(f"delta_swap does not support --quantization {quantization} here: {exact[quantization]}")
+    if quantization and quantization not in exact:
+        supported = f" or {', '.join(sorted(exact))}" if exact else ""
         raise ConfigError(
             f"delta_swap does not support quantized servers yet (--quantization {quantization}: "
-            "the engine would hold re-quantized weights, not the published ones); serve bf16/fp16"
+            f"the engine would hold re-quantized weights, not the published ones); serve bf16/fp16{supported}"
         )
     if lora_flags:
         raise ConfigError(

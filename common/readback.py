@@ -12,7 +12,10 @@ through the engine's own layout, at a bounded cost per module:
   ``quant_method.apply``: the output of ``e_j`` is column ``j`` of the weight, exactly (products by
   one, sums with zeros), so a stale or garbage packed copy shows;
 * MoE experts are compared, for one sampled expert per layer, with the published expert processed
-  by the experts kernel's own post-load processing (e.g. the CPU prepack).
+  by the experts kernel's own post-load processing (e.g. the CPU prepack); experts the engine holds
+  in a form of its own (quantized as it loads them) go to the engine's own check
+  (:data:`ExpertsCheck`), and any other quantized module fails the read-back: it is never passed
+  unchecked.
 
 A mismatch raises :class:`~delta_swap.errors.ChecksumMismatchError` naming the tensor.
 
@@ -46,16 +49,24 @@ PROBES = 4
 #: ``w13_weight`` or ``w2_weight`` and the answer is one expert's shard. None: unknown here.
 Shard = Callable[[str, torch.nn.Module, str, Sequence[tuple[str, torch.Tensor]]], torch.Tensor | None]
 
+#: ``check(module_path, experts, tensors)``: an engine's own read-back of an MoE ``experts`` module
+#: against the published ``tensors`` that load into it, for experts the engine holds in a form of
+#: its own (quantized as it loads them); the number of checks (raising ChecksumMismatchError on a
+#: difference), or None where it has none for this module (the prepack comparison runs instead).
+ExpertsCheck = Callable[[str, torch.nn.Module, Mapping[str, torch.Tensor]], int | None]
+
 
 def verify_modules(
     model: torch.nn.Module,
     published: Mapping[str, torch.Tensor],
     packed: Mapping[str, Sequence[str]],
     shard: Shard | None = None,
+    experts_check: ExpertsCheck | None = None,
 ) -> int:
     """Check every module that ``published`` (checkpoint name -> tensor) loads into, and every
     module sharing a parameter with one of them (a tied ``lm_head``), against those tensors (each
-    rank's shard of them, through ``shard``, at tensor parallel > 1; whole tensors without it).
+    rank's shard of them, through ``shard``, at tensor parallel > 1; whole tensors without it;
+    MoE experts through ``experts_check`` first, where the engine gives one).
     Returns how many checks ran; raises ChecksumMismatchError at the first difference."""
     by_module: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in published.items():
@@ -67,7 +78,7 @@ def verify_modules(
         module = modules.get(path)
         if module is None:
             continue  # a name vLLM maps elsewhere (hf_to_vllm_mapper): not checked here
-        checks += _verify_module(path, module, tensors, packed, shard)
+        checks += _verify_module(path, module, tensors, packed, shard, experts_check)
     for path in extra:  # e.g. a tied lm_head: it must compute with the embedding just loaded
         module = modules.get(path)
         source = _shared_source(module, modules, by_module) if module is not None else None
@@ -103,15 +114,19 @@ def _verify_module(
     tensors: Mapping[str, torch.Tensor],
     packed: Mapping[str, Sequence[str]],
     shard: Shard | None,
+    experts_check: ExpertsCheck | None = None,
 ) -> int:
-    method = getattr(module, "quant_method", None)
-    if method is not None and not type(method).__name__.startswith("Unquantized"):
-        return 0  # a quantized layer computes with other values by design: not read back (yet)
     if any(".experts." in name for name in tensors):  # vLLM keeps them in a submodule (routed_experts)
         for sub_path, sub in module.named_modules():
             if hasattr(sub, "w13_weight") and hasattr(sub, "w2_weight"):
-                return _verify_experts(f"{path}.{sub_path}".rstrip("."), sub, tensors, shard)
+                experts_path = f"{path}.{sub_path}".rstrip(".")
+                checked = experts_check(experts_path, sub, tensors) if experts_check is not None else None
+                if checked is not None:
+                    return checked
+                _refuse_quantized(experts_path, sub)
+                return _verify_experts(experts_path, sub, tensors, shard)
         return 0
+    _refuse_quantized(path, module)
     checks = 0
     for kind in ("weight", "bias"):
         parts = _ordered(path, {n: t for n, t in tensors.items() if n.endswith("." + kind)}, packed)
@@ -130,6 +145,14 @@ def _verify_module(
         if kind == "weight" and all(t.ndim == 2 for t in expected) and _is_linear(module):
             checks += _probe_linear(path, module, expected, name, loose=shard is not None)
     return checks
+
+
+def _refuse_quantized(path: str, module: torch.nn.Module) -> None:
+    """Raise for a module quantized by the engine that nothing here can read back: its values differ
+    from the published ones by design, and a read-back that skipped it would pass silently."""
+    method = getattr(module, "quant_method", None)
+    if method is not None and not type(method).__name__.startswith("Unquantized"):
+        raise ChecksumMismatchError(f"{path}: cannot read back a module quantized by {type(method).__name__}")
 
 
 def _ordered(

@@ -226,6 +226,24 @@ class TestQwen3MoeShadowTP2(InjectedFailureTests, TensorParallel2):
         self.check_a_failed_swap(chain, FAIL_SCATTER_ENV, message, "1@1")
 
 
+class TestQwen3MoeInt8Shadow(VllmExactness):
+    """vLLM quantizes the experts to int8 as it loads them (``--quantization
+    int8_per_channel_weight_only``), and so do the reference servers: each update's MoE layers are
+    loaded and quantized into shadows (each with its own copy of the layer's quantization method
+    and kernel) while the engine generates, and switched in; the read-back runs one expert of each
+    updated layer through the live kernel against a fresh quantization of the published layer."""
+
+    family, swap_path = "qwen3_moe", "shadow"
+    extra = ("--quantization", "int8_per_channel_weight_only")
+
+
+class TestQwen3MoeInt8Reload(TestQwen3MoeInt8Shadow):
+    """The same quantized server on vLLM's own layerwise reload (which quantizes the reloaded
+    layers again), read back the same way."""
+
+    swap_path = "reload"
+
+
 @pytest.mark.full_matrix("the tied embedding in place: TestQwen3TiedAutoTP2")
 class TestQwen3TiedInplace(VllmExactness):
     family, swap_path = "qwen3", "inplace"

@@ -39,9 +39,9 @@ def test_api_servers_of_one_serve_command_share_one_leader() -> None:
     assert (single.index, single.count, single.leads) == (0, 1, True)
 
 
-def _config(quantization=None, lora=None, multimodal=False) -> SimpleNamespace:
+def _config(quantization=None, lora=None, multimodal=False, tp=1) -> SimpleNamespace:
     return SimpleNamespace(
-        parallel_config=SimpleNamespace(data_parallel_size=1, pipeline_parallel_size=1),
+        parallel_config=SimpleNamespace(data_parallel_size=1, pipeline_parallel_size=1, tensor_parallel_size=tp),
         model_config=SimpleNamespace(quantization=quantization, is_multimodal_model=multimodal),
         lora_config=lora,
     )
@@ -52,6 +52,8 @@ def _config(quantization=None, lora=None, multimodal=False) -> SimpleNamespace:
     [
         (_config(), None),
         (_config(quantization="fp8"), "--quantization fp8"),
+        (_config(quantization="int8_per_channel_weight_only"), None),  # kept exact: TestQwen3MoeInt8Shadow
+        (_config(quantization="int8_per_channel_weight_only", tp=2), "over tensor- or data-parallel ranks"),
         (_config(lora=SimpleNamespace(max_loras=1)), "--enable-lora"),
         (_config(multimodal=True), "multimodal"),
     ],

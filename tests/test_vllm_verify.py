@@ -36,6 +36,9 @@ TP2 = 2
         # and its shard of one expert.
         ("qwen3", "tied", "lm_head", "always", TP2),
         ("qwen3_moe", "experts", "mlp.experts", "always", TP2),
+        # Experts quantized to int8 as vLLM loads them, on the shadow path: the read-back runs each
+        # expert through the live kernel against a fresh quantization of the published layer.
+        ("qwen3_moe", "stale_quantized_experts", "mlp.experts", "always", 1),
     ],
 )
 def test_verification_catches_the_bug_a_reverted_fix_lets_through(family, fix, named, verify, tp, tmp_path) -> None:
@@ -55,11 +58,14 @@ def test_verification_catches_the_bug_a_reverted_fix_lets_through(family, fix, n
         **({"VLLM_CPU_OMP_THREADS_BIND": "0|1"} if tp > 1 else {}),
     }
     extra = ("--tensor-parallel-size", str(tp)) if tp > 1 else ()
+    quantized = fix == "stale_quantized_experts"
+    if quantized:
+        extra = ("--quantization", "int8_per_channel_weight_only")
     settings = {
         "store": store.as_uri(),
         "poll_interval": 0.2,
         "drain": "wait",
-        "swap_path": "reload",
+        "swap_path": "shadow" if quantized else "reload",
         **({"verify_swaps": verify} if verify else {}),
     }
     server = vllm_server.start(base, tmp_path, settings=settings, served_name="tiny", env=env, extra=extra)

@@ -13,6 +13,7 @@ from delta_swap.front_ends import FrontEnd
 from delta_swap.settings import Settings
 
 from .plugin import BACKEND_NAME
+from .shadow_build import exact_quantizations
 
 
 class DeltaSwapEndpoint:
@@ -58,13 +59,15 @@ def front_end_of(parallel: Any) -> FrontEnd:
 def refuse_unsupported(vllm_config: Any) -> None:
     """Refuse, when the server starts and with one line, what delta-swap cannot keep exact yet
     (:func:`refuse_parallel_layouts`, and servers whose weights are not the published tensors:
-    quantized, with LoRA adapters, multimodal), instead of serving something else silently."""
+    quantized other than as :mod:`.shadow_build` keeps exact, with LoRA adapters, multimodal),
+    instead of serving something else silently."""
     refuse_parallel_layouts(vllm_config.parallel_config)
     model = getattr(vllm_config, "model_config", None)
     refuse_unverified_weights(
         getattr(model, "quantization", None),
         "--enable-lora" if getattr(vllm_config, "lora_config", None) is not None else None,
         bool(getattr(model, "is_multimodal_model", False)),
+        exact_quantizations(vllm_config.parallel_config),
     )
 
 

@@ -68,7 +68,7 @@ from delta_swap.torch_params import ArenaMappings, describe_arena
 from delta_swap.undo import restored
 
 from .readback_shards import local_shards
-from .shadow_build import VllmShadowEngine, cpu_experts, shadow_possible
+from .shadow_build import VllmShadowEngine, cpu_experts, quantized_experts_check, shadow_possible
 from .worker_results import write_worker_result
 
 log = logging.getLogger("vllm_delta_plugin")
@@ -336,7 +336,8 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         published = dict(read_staged(path, set(names)))
         try:
             with set_current_vllm_config(self.vllm_config), torch.inference_mode():
-                checks = verify_modules(self.model, published, self._packed, shard)
+                experts = quantized_experts_check(self.model, self._packed, default_weight_loader)
+                checks = verify_modules(self.model, published, self._packed, shard, experts)
         except Exception as exc:  # a layout the check does not know: say so, never pass silently
             error = exc if isinstance(exc, ChecksumMismatchError) else None
             message = str(error or f"delta_swap: cannot read back the swapped modules: {type(exc).__name__}: {exc}")
