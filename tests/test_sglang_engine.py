@@ -38,6 +38,7 @@ from tests.support.rollout_scenarios import (
     untrusted_inputs_never_reach_the_model,
     wait_for,
 )
+from tests.support.sse import sse_lines
 
 pytestmark = pytest.mark.engine
 
@@ -116,7 +117,7 @@ def generate_streamed(
             barrier.wait(120)
         with client.stream("POST", f"{url}/generate", json=body) as r:
             r.raise_for_status()
-            for line in r.iter_lines():
+            for line in sse_lines(r.iter_text()):
                 if line.startswith("data: {"):
                     last = json.loads(line[6:])
                     if last.get("output_ids"):

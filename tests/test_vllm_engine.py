@@ -33,6 +33,7 @@ from tests.support.rollout_scenarios import (
     untrusted_inputs_never_reach_the_model,
     wait_for,
 )
+from tests.support.sse import asse_lines
 from tests.support.vllm_cpu import vllm_repacks_bf16_linears
 
 pytestmark = pytest.mark.engine
@@ -79,8 +80,8 @@ async def _stream_completion(client: httpx.AsyncClient, url: str, prompt: list[i
     arrivals: list[float] = []
     async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
         r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+        async for line in asse_lines(r.aiter_text()):
+            if not line.startswith("data: {"):
                 continue
             for choice in json.loads(line[6:]).get("choices", []):
                 if choice.get("text"):

@@ -30,6 +30,7 @@ from delta_swap.signing import generate_keypair
 from delta_swap.stores.file import FileStore
 from delta_swap.testing.engine_exactness import status, wait_for
 from examples.servers.process import Server
+from tests.support.sse import data_documents, sse_lines
 
 
 @dataclass(frozen=True)
@@ -332,6 +333,6 @@ def openai_routes_tag_the_weight_version(url: str, model: str, version: str) -> 
             assert [s["version"] for s in spans] == [version] and spans[0]["start"] == 0, spans
         with httpx.stream("POST", f"{url}/v1/{route}", json={**body, "stream": True}, timeout=300) as s:
             assert s.headers["x-weight-version"] == version
-            events = [json.loads(line[5:]) for line in s.iter_lines() if line.startswith("data: {")]
+            events = list(data_documents(sse_lines(s.iter_text())))
         finishing = [c for e in events for c in e["choices"] if c.get("finish_reason")]
         assert finishing and all(c["weight_versions"][-1]["version"] == version for c in finishing), finishing
