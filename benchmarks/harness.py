@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -298,8 +299,9 @@ def process_tree(pid: int) -> list[int]:
 def tree_memory(pid: int) -> int:
     """Host memory a process tree holds, in bytes: the proportional set size of its processes
     (pages shared between them counted once overall) without their shared-memory mappings, plus
-    the bytes the tree's weight arena files hold in the staging folder, mapped or not (a tmpfs file
-    takes memory from the moment it is allocated, before any process touches it)."""
+    the bytes the tree's files in the staging folder hold, mapped or not (weight arenas, the
+    subscriber's copy, staged updates and read-back files: a tmpfs file takes memory from the
+    moment it is allocated, before any process touches it)."""
     tree = process_tree(pid)
     total = 0
     for p in tree:
@@ -310,10 +312,22 @@ def tree_memory(pid: int) -> int:
             continue
         total += (int(fields.get("Pss", "0 kB").split()[0]) - int(fields.get("Pss_Shmem", "0 kB").split()[0])) * 1024
     pids = set(tree)
-    for arena in Path(Settings().staging_dir).glob("delta-swap-arena-*"):
-        if file_owner(arena) in pids:
+    for path in Path(Settings().staging_dir).glob("delta-swap-*"):
+        if staging_file_owner(path) in pids:
             try:
-                total += arena.stat().st_blocks * 512
+                total += path.stat().st_blocks * 512
             except FileNotFoundError:
                 continue
     return total
+
+
+_STAGED_NAME = re.compile(r"-(\d+)-[0-9a-f]{8}(\.|$)")
+
+
+def staging_file_owner(path: Path) -> int | None:
+    """The pid that made a file in the staging folder: arena and layout files carry it after their
+    kind, the others (``delta_swap.staging_files.staging_file``) before an 8-digit random tag."""
+    if path.name.startswith(("delta-swap-arena-", "delta-swap-layout-")):
+        return file_owner(path)
+    found = _STAGED_NAME.search(path.name)
+    return int(found.group(1)) if found else None
