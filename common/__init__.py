@@ -52,6 +52,8 @@ point here::
                                     the engine generates, apply in the pause, undo, drop
              staging_files          the adapter's half: the staged files, the wait until every
                                     engine process has staged
+             host_copy              the subscriber's copy of the weights in one staging file, decoded
+                                    into in place, that engine processes read updates from
              readback               reading back what an engine computes with after a swap (torch)
              verify_budget          when to read a swap back (verify_swaps=auto: within 10% of windows)
              swap                   one update, all or nothing: stage, pause, swap, roll back, resume

@@ -220,10 +220,11 @@ def file_owner(path: Path) -> int | None:
 
 
 def remove_stale_arenas(folder: str | os.PathLike[str]) -> list[Path]:
-    """Delete arena and layout files left in ``folder`` by processes that no longer run (a killed
-    server); their names carry the owner's pid: ``delta-swap-{arena,layout}-<pid>[-...]``."""
+    """Delete arena, layout and weight-copy files left in ``folder`` by processes that no longer
+    run (a killed server); their names carry the owner's pid:
+    ``delta-swap-{arena,layout,weights}-<pid>[-...]``."""
     removed = []
-    stale = [*Path(folder).glob("delta-swap-arena-*"), *Path(folder).glob("delta-swap-layout-*")]
+    stale = [path for kind in ("arena", "layout", "weights") for path in Path(folder).glob(f"delta-swap-{kind}-*")]
     for path in stale:
         pid = file_owner(path)
         if pid is None:

@@ -54,6 +54,10 @@ class WeightUpdate:
     previous: StateDict | None = None
     #: The publisher's checksum of each tensor of ``state``, to verify copies against.
     checksums: Mapping[str, str] | None = None
+    #: A safetensors file in the staging folder that holds every tensor of ``state`` (the
+    #: subscriber's :class:`~delta_swap.host_copy.HostCopy`): the engine's processes may read the
+    #: update from it instead of a file of its own. Valid until the update is final.
+    state_file: str | None = None
 
 
 class EngineAdapter(ABC):
@@ -63,6 +67,11 @@ class EngineAdapter(ABC):
     name: ClassVar[str] = "engine"
     #: The model the engine serves: every snapshot is checked against it before it is fetched.
     served: ServedModel = ServedModel(None, {})
+    #: Whether the engine copies what an update hands it, never keeping a reference to
+    #: ``update.state`` past the swap: the core then decodes every snapshot in place into one copy
+    #: of the weights in the staging folder (:mod:`delta_swap.host_copy`), handed over as
+    #: ``update.state_file``, instead of keeping the previous weights beside the new ones.
+    copies_updates: ClassVar[bool] = False
 
     async def destination(self, specs: TensorSpecs) -> StateDict | None:
         """Writable host tensors (by checkpoint name, of these ``specs``) that the next update

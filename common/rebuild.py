@@ -33,6 +33,8 @@ class Meter:
 
     seconds: dict[str, float] = field(default_factory=dict)
     progress: Progress | None = None
+    #: Set once a tensor may have been written into ``out`` (it no longer holds what it held).
+    wrote_out: bool = False
 
     def add(self, phase: str, seconds: float) -> None:
         self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
@@ -97,6 +99,7 @@ def apply_snapshot(
     """
     meter = meter or Meter()
     check_applicable(prev, manifest, out)
+    meter.wrote_out = meter.wrote_out or out is not None
 
     with ThreadPoolExecutor(threads or decode_threads(), thread_name_prefix="delta-swap-decode") as pool:
 
@@ -220,6 +223,7 @@ async def stream_snapshot(
             tensors = sorted((t for t in manifest.tensors if t.shard == shard.name), key=lambda t: t.offset)
             with _ShardWriter(manifest, shard, tensors, prev, out, pool, authenticated, rebuilt) as writer:
                 await _stream_shard(store, manifest, shard, writer, piece_bytes, meter)
+        meter.wrote_out = True
         t0 = time.perf_counter()
         for t in manifest.tensors:
             if t.shard is None:
@@ -259,6 +263,7 @@ async def _stream_shard(
                 raise CorruptDataError(f"{what}: bytes {start}-{end} came back with {len(data)} bytes")
             ahead = asyncio.ensure_future(anext(pieces, None)) if end < shard.size else None
             t1 = time.perf_counter()
+            meter.wrote_out = True
             await asyncio.to_thread(writer.add, start, data)
             meter.add("fetch", t1 - t0)
             meter.add("decode", time.perf_counter() - t1)

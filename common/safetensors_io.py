@@ -27,19 +27,26 @@ def build_header(
     tensors: Iterable[tuple[str, HostTensor]], metadata: dict[str, str] | None = None
 ) -> tuple[bytes, dict[str, tuple[int, int]]]:
     """The encoded header and each tensor's absolute (offset, length) in the file."""
-    items = list(tensors)
+    return specs_header(((name, t.dtype, tuple(t.shape)) for name, t in tensors), metadata)
+
+
+def specs_header(
+    specs: Iterable[tuple[str, str, tuple[int, ...]]], metadata: dict[str, str] | None = None
+) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    """Like :func:`build_header`, from each tensor's (name, dtype, shape) alone."""
+    items = [(name, dtype, shape, math.prod(shape) * dtype_size(dtype)) for name, dtype, shape in specs]
     doc: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
     rel = 0
-    for name, t in items:
-        doc[name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [rel, rel + t.nbytes]}
-        rel += t.nbytes
+    for name, dtype, shape, nbytes in items:
+        doc[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [rel, rel + nbytes]}
+        rel += nbytes
     header = json.dumps(doc, separators=(",", ":")).encode()
     header += b" " * (-(len(header) + 8) % _ALIGN)
     start = 8 + len(header)
     locations, rel = {}, 0
-    for name, t in items:
-        locations[name] = (start + rel, t.nbytes)
-        rel += t.nbytes
+    for name, _dtype, _shape, nbytes in items:
+        locations[name] = (start + rel, nbytes)
+        rel += nbytes
     return struct.pack("<Q", len(header)) + header, locations
 
 

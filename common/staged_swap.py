@@ -16,10 +16,11 @@ backend; SGLang: a channel into the scheduler and its custom weight loader).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -61,6 +62,68 @@ def read_staged(path: str, wanted: set[str] | None = None) -> list[tuple[str, to
         with safe_open(str(file), framework="pt", device="cpu") as f:
             out.extend((name, f.get_tensor(name)) for name in f.keys() if not wanted or name in wanted)
     return out
+
+
+def _staged_spans(staged: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[int, int]]:
+    """The memory ranges, sorted, of the tensors read from a staged file."""
+    storages = (t.untyped_storage() for _, t in staged)
+    return sorted((s.data_ptr(), s.data_ptr() + s.nbytes()) for s in storages if s.nbytes())
+
+
+def _views(tensors: Iterable[Any], spans: list[tuple[int, int]]) -> Iterator[torch.Tensor]:
+    """Those of ``tensors`` (other values skipped) that share memory with one of ``spans``."""
+    starts = [start for start, _ in spans]
+    for tensor in tensors:
+        if not spans or not isinstance(tensor, torch.Tensor) or not tensor.numel():
+            continue
+        storage = tensor.untyped_storage()
+        begin, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+        i = bisect.bisect_right(starts, begin) - 1
+        if any(begin < stop and start < end for start, stop in spans[max(i, 0) : i + 2]):
+            yield tensor
+
+
+def refuse_views(tensors: Iterable[Any], staged: Sequence[tuple[str, torch.Tensor]], what: str) -> None:
+    """Raise RuntimeError if one of ``tensors`` shares memory with a tensor ``staged`` read from a
+    staged file (:func:`read_staged` maps files, it does not copy): the engine would compute from a
+    file that the next update rewrites in place (the subscriber's copy of the weights,
+    :mod:`delta_swap.host_copy`). Loaders copy; one that kept the tensor it was handed is caught
+    here, while the engine still generates on its old weights."""
+    if next(_views(tensors, _staged_spans(staged)), None) is not None:
+        raise RuntimeError(
+            f"delta_swap: {what} holds a view of a staged file, not a copy (a loader that keeps the tensor "
+            "it is handed): the next update would change it in place"
+        )
+
+
+def copy_views(model: torch.nn.Module, staged: Sequence[tuple[str, torch.Tensor]]) -> int:
+    """Give every parameter and buffer of ``model`` that shares memory with a tensor ``staged``
+    read from a staged file a copy of its own (after an engine's own reload, which has replaced the
+    old weights already); how many did."""
+    spans = _staged_spans(staged)
+    copied = 0
+    for module in model.modules():
+        for param in module._parameters.values():
+            if param is not None and next(_views([param], spans), None) is not None:
+                param.data = param.data.clone()
+                copied += 1
+        for name, buffer in module._buffers.items():
+            if buffer is not None and next(_views([buffer], spans), None) is not None:
+                module._buffers[name] = buffer.clone()
+                copied += 1
+    return copied
+
+
+def _state_tensors(state: Mapping[str, Any]) -> Iterator[Any]:
+    """The values of a module's state (``__dict__``), those of its parameter, buffer and submodule
+    tables, and the tensors of its submodules."""
+    for value in state.values():
+        for item in value.values() if isinstance(value, Mapping) else (value,):
+            if isinstance(item, torch.nn.Module):
+                yield from item.parameters()
+                yield from item.buffers()
+            else:
+                yield item
 
 
 def inplace_possible(
@@ -142,6 +205,7 @@ class StagedSwap:
         def work() -> ShadowBuild:
             with context(), torch.inference_mode():
                 build, _ignored = build_shadows(model, weights, packed, engine, default_loader, fault)
+            refuse_views((t for item in build.switches for t in _state_tensors(item.state)), weights, "a shadow module")
             return build
 
         self._start(work)
@@ -166,6 +230,7 @@ class StagedSwap:
             # weight loads (SGLang's update_weights_from_disk) write into outside inference mode
             with context(), torch.no_grad():
                 build, _ignored = build_parameter_switch(model, weights, packed, default_loader, fault)
+            refuse_views((new for _, _, new in build.targets), weights, "a new parameter")
             return build
 
         self._start(work)

@@ -14,6 +14,8 @@ import asyncio
 import os
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .safetensors_io import write_safetensors
@@ -33,6 +35,35 @@ def write_tensors(path: str, state: Mapping[str, HostTensor], names: Iterable[st
     """Write the tensors ``names`` of ``state`` to the safetensors file ``path``."""
     with open(path, "wb") as fh:
         write_safetensors(fh, [(name, state[name]) for name in names])
+
+
+@dataclass(frozen=True)
+class StagedTensors:
+    """Tensors the engine's processes read from a safetensors file: ``names`` of ``path``."""
+
+    path: str
+    names: list[str]
+    #: Written for this staging (removed with it), not the subscriber's copy of the weights.
+    owned: bool
+
+    def remove(self) -> None:
+        """Remove the file if it is this staging's own."""
+        if self.owned:
+            Path(self.path).unlink(missing_ok=True)
+
+
+def stage_tensors(
+    staging_dir: str, kind: str, state_file: str | None, state: Mapping[str, HostTensor], names: Iterable[str]
+) -> StagedTensors:
+    """The tensors ``names`` of ``state`` in a file the engine's processes can read: the
+    subscriber's copy of the weights (``state_file``: it holds them all), else a new file of
+    ``kind`` written here."""
+    names = sorted(names)
+    if state_file is not None:
+        return StagedTensors(state_file, names, owned=False)
+    path = staging_file(staging_dir, kind)
+    write_tensors(path, state, names)
+    return StagedTensors(path, names, owned=True)
 
 
 async def until_staged(ask: Callable[[], Awaitable[Sequence[Mapping[str, Any]]]]) -> list[Mapping[str, Any]]:

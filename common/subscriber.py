@@ -29,6 +29,7 @@ from .chain import ChainReader
 from .engine_adapter import EngineAdapter, WeightUpdate
 from .errors import ChainError, ConfigError, DeltaSwapError, EngineStateUnknownError
 from .heartbeat import Heartbeat, HeartbeatReader
+from .host_copy import HostCopy
 from .manifest import Encoding, Manifest, SnapshotKind
 from .metrics import failure_kind, subscriber_metrics
 from .rebuild import Meter, replay
@@ -37,7 +38,7 @@ from .signing import TrustedKeys, split_paths
 from .stores import Store, open_store
 from .stores.base import public_url
 from .swap import apply_update
-from .tensors import StateDict
+from .tensors import StateDict, TensorSpecs
 
 log = logging.getLogger("delta_swap.subscriber")
 
@@ -62,7 +63,10 @@ class Subscriber:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._stopping = False
+        #: The weights the engine serves, decoded (None when unknown: the next update is a base).
         self._state: StateDict | None = None
+        self._host_copy: HostCopy | None = None  # for an engine that copies updates
+        self._state_in_copy = False  # whether _state's tensors live in it (and are decoded over)
         self._current: Manifest | None = None
         self._newest: Manifest | None = None
         self._staged_id: str | None = None
@@ -137,6 +141,9 @@ class Subscriber:
         if self._store is not None:
             await self._store.close()
         await self.adapter.close()
+        if self._host_copy is not None:
+            self._host_copy.close()
+            self._host_copy = None
 
     def wake(self) -> None:
         """Poll now instead of at the next interval (a push notification)."""
@@ -277,24 +284,39 @@ class Subscriber:
         if any(t.encoding not in (Encoding.RAW, Encoding.SAME) for m in path for t in m.tensors):
             await asyncio.to_thread(codec_warm_up.start_warm_up(encoder=False).join)  # compiled before, not during
         out = await self.adapter.destination(target.specs)  # the engine's spare weights, if it has them
-        state = await replay(
-            self.reader,
-            path,
-            start,
-            concurrency=self.settings.fetch_concurrency,
-            meter=Meter(timings, self._metrics.bytes_fetched.inc),
-            max_model_bytes=self._max_model_bytes(),
-            out=out,
-        )
-        update = WeightUpdate(
-            version=target.snapshot_id,
-            state=state,
-            names=self._changed(target),
-            previous=self._state,
-            checksums={t.name: t.checksum for t in target.tensors},
-        )
-        self._staged_id = target.snapshot_id
-        timings.update(await apply_update(self.adapter, update, self.settings, on_phase=self._enter_phase))
+        copy = None if out is not None else await asyncio.to_thread(self._host_copy_for, target.specs)
+        in_place = copy is not None and self._state_in_copy  # the served weights are decoded over
+        meter, decoded = Meter(timings, self._metrics.bytes_fetched.inc), False
+        try:
+            state = await replay(
+                self.reader,
+                path,
+                start,
+                concurrency=self.settings.fetch_concurrency,
+                meter=meter,
+                max_model_bytes=self._max_model_bytes(),
+                out=copy.state if copy is not None else out,
+            )
+            decoded = True
+            update = WeightUpdate(
+                version=target.snapshot_id,
+                state=state,
+                names=self._changed(target),
+                previous=None if in_place else self._state,
+                checksums={t.name: t.checksum for t in target.tensors},
+                state_file=copy.path if copy is not None else None,
+            )
+            self._staged_id = target.snapshot_id
+            restore = self._served_weights if in_place and current is not None else None
+            timings.update(
+                await apply_update(self.adapter, update, self.settings, on_phase=self._enter_phase, restore=restore)
+            )
+        except BaseException:
+            if in_place and (decoded or meter.wrote_out):
+                self._state = None
+                log.warning("delta-swap: the copy of the weights holds no served snapshot: the next update is a base")
+            raise
+        self._state_in_copy = copy is not None
         self._state, self._current = state, target
         self._remember(target)
         self._last_timings = timings
@@ -370,9 +392,48 @@ class Subscriber:
         before = {t.name: t.checksum for t in self._current.tensors}
         return tuple(t.name for t in target.tensors if before.get(t.name) != t.checksum)
 
+    def _host_copy_for(self, specs: TensorSpecs) -> HostCopy | None:
+        """The copy of the weights to decode ``specs`` into, for an engine that copies updates
+        (None: the heap, for an engine that keeps references, or a staging folder without room)."""
+        if not self.adapter.copies_updates:
+            return None
+        if self._host_copy is not None and self._host_copy.holds(specs):
+            return self._host_copy
+        if self._host_copy is not None:  # the state decoded so far keeps its pages until it goes
+            self._host_copy.close()
+            self._host_copy = None
+        try:
+            self._host_copy = HostCopy.create(self.settings.staging_dir, specs)
+        except OSError as exc:
+            log.warning(
+                "delta-swap: no room for a copy of the weights in %s (%s): decoding into this process's memory",
+                self.settings.staging_dir,
+                exc,
+            )
+        return self._host_copy
+
+    async def _served_weights(self) -> StateDict:
+        """For a rollback: the weights of the snapshot the engine served before the update under
+        way, rebuilt from the store (the copy holds the update's already), and checked against
+        what was verified when it was swapped in."""
+        current = self._current
+        assert current is not None
+        log.warning("delta-swap: rebuilding %s from the store to restore it", current.snapshot_id)
+        path = await self.reader.path_to(current.snapshot_id, None)
+        if {t.name: t.checksum for t in path[-1].tensors} != {t.name: t.checksum for t in current.tensors}:
+            raise ChainError(f"the store now holds other tensors for {current.snapshot_id} than were served")
+        return await replay(
+            self.reader,
+            path,
+            None,
+            concurrency=self.settings.fetch_concurrency,
+            max_model_bytes=self._max_model_bytes(),
+        )
+
     async def _plan(self, newest: Manifest, force_base: bool) -> list[Manifest]:
-        """Snapshots to apply, oldest first, ending at the newest reachable one."""
-        current = None if force_base else self._current
+        """Snapshots to apply, oldest first, ending at the newest reachable one (from a base when
+        the served weights are not held decoded)."""
+        current = None if force_base or self._state is None else self._current
         current_id = current.snapshot_id if current is not None else None
         candidates = [newest]
         last_error: ChainError | None = None

@@ -20,7 +20,7 @@ from .checkpoint_dir import read_checkpoint_dir
 from .engine_adapter import EngineAdapter, WeightUpdate
 from .errors import DeltaSwapError, EngineError, EngineStateUnknownError, SwapUndoneError
 from .settings import Settings
-from .tensors import specs_of
+from .tensors import StateDict, specs_of
 
 T = TypeVar("T")
 log = logging.getLogger("delta_swap.swap")
@@ -40,10 +40,16 @@ def timed(timings: dict[str, float], phase: str, on_phase: Callable[[str], None]
 
 
 async def apply_update(
-    adapter: EngineAdapter, update: WeightUpdate, settings: Settings, on_phase: Callable[[str], None] | None = None
+    adapter: EngineAdapter,
+    update: WeightUpdate,
+    settings: Settings,
+    on_phase: Callable[[str], None] | None = None,
+    restore: Callable[[], Awaitable[StateDict]] | None = None,
 ) -> dict[str, float]:
     """Put ``update`` into the engine behind ``adapter``; returns the seconds of each phase
-    (``on_phase`` hears each phase's name as it starts).
+    (``on_phase`` hears each phase's name as it starts). A rollback puts back ``update.previous``,
+    else what ``restore`` returns (the engine's current weights rebuilt, e.g. from the store),
+    else the served checkpoint (a first sync).
 
     Raises IncompatibleSnapshotError before touching the engine when the update does not fit
     the served model, and EngineError (after restoring the previous tensors) when the engine
@@ -68,7 +74,7 @@ async def apply_update(
         except BaseException as exc:
             with timed(timings, "rollback", on_phase):
                 try:
-                    await _rollback(adapter, update, version_before)
+                    await _rollback(adapter, update, version_before, restore)
                 except Exception as undo:
                     raise EngineStateUnknownError(
                         f"{adapter.name}: the swap failed ({exc}) and restoring the previous weights failed too "
@@ -95,10 +101,17 @@ async def _engine_call(adapter: EngineAdapter, call: Awaitable[T]) -> T:
         raise adapter.engine_error(exc) from exc
 
 
-async def _rollback(adapter: EngineAdapter, failed: WeightUpdate, version: str | None) -> None:
+async def _rollback(
+    adapter: EngineAdapter,
+    failed: WeightUpdate,
+    version: str | None,
+    restore: Callable[[], Awaitable[StateDict]] | None,
+) -> None:
     """Put the tensors of ``failed.names`` and the weight version back as they were."""
     log.error("delta-swap: swapping in %s failed, restoring the previous weights", failed.version)
     previous = failed.previous
+    if previous is None and restore is not None:
+        previous = await restore()
     if previous is None or any(name not in previous for name in failed.names):
         # First sync: the tensors the server started with, memory-mapped from its checkpoint.
         if adapter.served.checkpoint_dir is None:

@@ -61,7 +61,7 @@ from delta_swap.module_groups import tensors_of_modules
 from delta_swap.served_model import ServedModel
 from delta_swap.settings import DrainPolicy, Settings
 from delta_swap.staged_swap import FAIL_SCATTER_ENV, injected_failure_rank, injected_swap_failure, merge_staged
-from delta_swap.staging_files import staging_file, until_staged, write_tensors
+from delta_swap.staging_files import StagedTensors, stage_tensors, until_staged
 from delta_swap.tensors import StateDict, TensorSpecs
 from delta_swap.verify_budget import VerifyBudget
 
@@ -95,17 +95,18 @@ def merge_rank_outcomes(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class StagedFile:
-    """An update staged in the schedulers (the shadow and in-place paths): the changed tensors'
-    file (each rank's scheduler holds what it built from it) and the read-back's file, if due."""
+    """An update staged in the schedulers (the shadow and in-place paths): the changed tensors
+    (each rank's scheduler holds what it built from them) and the read-back's, if due."""
 
-    path: str
-    check_path: str | None
+    update: StagedTensors
+    check: StagedTensors | None
 
 
 class SglangAdapter(EngineAdapter):
     """Drives SGLang's RL weight-update API in the HTTP server process."""
 
     name = "sglang"
+    copies_updates = True  # its schedulers copy every tensor they read from a staged file
 
     def __init__(
         self, tokenizer_manager: Any, served: ServedModel, settings: Settings | None = None, tp_size: int = 1
@@ -193,30 +194,33 @@ class SglangAdapter(EngineAdapter):
             return await self._stage_on_ranks(update, self.staged_path)
         bucket = await asyncio.to_thread(pack, update.state, sorted(update.names), update.checksums, self.tp_size)
         if self.verify_budget.due():  # every tensor-parallel rank reads back its shard of these
-            bucket.check_path = await asyncio.to_thread(self._write_check_file, update)
+            bucket.check = await asyncio.to_thread(self._check_tensors, update)
         return bucket
 
-    def _write_check_file(self, update: WeightUpdate) -> str:
+    def _check_tensors(self, update: WeightUpdate) -> StagedTensors:
         """What the read-back compares with: every tensor of the modules the update loads into
         (and, for a tied embedding, the module sharing it reads the same file)."""
-        path = staging_file(self.settings.staging_dir, "check")
-        write_tensors(
-            path, update.state, tensors_of_modules(update.names, update.state, self._packed or DEFAULT_PACKED)
-        )
-        return path
+        names = tensors_of_modules(update.names, update.state, self._packed or DEFAULT_PACKED)
+        return stage_tensors(self.settings.staging_dir, "check", update.state_file, update.state, names)
 
     async def _stage_on_ranks(self, update: WeightUpdate, path_name: str) -> StagedFile:
-        """Write the changed tensors to a file and have every rank's scheduler, while SGLang
-        generates, build the new tensors of the parameters they change (``shadow``) or work out
-        which elements change (``inplace``); wait until all have."""
-        names = sorted(update.names)
-        path = staging_file(self.settings.staging_dir, f"update-{update.version}")
-        await asyncio.to_thread(write_tensors, path, update.state, names)
-        staged = StagedFile(path, None)
+        """Hand the changed tensors to every rank's scheduler (the subscriber's copy of the weights,
+        else a file of their own) and have each, while SGLang generates, build the new tensors of
+        the parameters they change (``shadow``) or work out which elements change (``inplace``);
+        wait until all have."""
+        tensors = await asyncio.to_thread(
+            stage_tensors,
+            self.settings.staging_dir,
+            f"update-{update.version}",
+            update.state_file,
+            update.state,
+            update.names,
+        )
+        staged = StagedFile(tensors, None)
         try:
             if self.verify_budget.due():
-                staged = StagedFile(path, await asyncio.to_thread(self._write_check_file, update))
-            await self._on_ranks({"op": f"stage_{path_name}", "path": path, "names": names})
+                staged = StagedFile(tensors, await asyncio.to_thread(self._check_tensors, update))
+            await self._on_ranks({"op": f"stage_{path_name}", "path": tensors.path, "names": tensors.names})
             answers = await until_staged(lambda: self._on_ranks({"op": "stage_wait"}))
         except BaseException:
             await self.unstage(staged)
@@ -246,12 +250,12 @@ class SglangAdapter(EngineAdapter):
         return list(await asyncio.gather(*(asyncio.to_thread(call, rank) for rank in ranks)))
 
     async def unstage(self, staged: Any) -> None:
-        if isinstance(staged, Bucket) and staged.check_path:
-            Path(staged.check_path).unlink(missing_ok=True)
+        if isinstance(staged, Bucket) and staged.check:
+            staged.check.remove()
         if isinstance(staged, StagedFile):
-            for file in (staged.path, staged.check_path):
-                if file:
-                    Path(file).unlink(missing_ok=True)
+            for tensors in (staged.update, staged.check):
+                if tensors is not None:
+                    tensors.remove()
             await self._on_ranks({"op": "drop_staged"})  # the old values it kept, too
 
     async def close(self) -> None:
@@ -365,13 +369,13 @@ class SglangAdapter(EngineAdapter):
             started = time.perf_counter()
             await self._update(staged.payloads, "flattened_bucket", version)
             log.info("delta_swap: loaded %d tensors (%.1f MB) as %s", len(update.names), staged.nbytes / 1e6, version)
-            check_s = await self._read_back(staged.check_path) if staged.check_path else None
+            check_s = await self._read_back(staged.check) if staged.check else None
             self.verify_budget.record(time.perf_counter() - started - (check_s or 0.0), check_s)
 
-    async def _read_back(self, check_path: str) -> float:
+    async def _read_back(self, check: StagedTensors) -> float:
         """Have the scheduler read back what the loaded modules compute with (before the engine
         generates on them); the check's seconds."""
-        outcome = await self._run_op({"op": "verify", "path": check_path}, None)
+        outcome = await self._run_op({"op": "verify", "path": check.path, "names": check.names}, None)
         if not outcome.get("ok"):
             raise EngineError(f"sglang: {outcome.get('error')}")
         return self._record_verification(outcome)
@@ -392,8 +396,8 @@ class SglangAdapter(EngineAdapter):
         op: dict[str, Any] = {"op": "switch" if self.staged_path == "shadow" else "scatter", "fail_after": fail_after}
         if fail_after >= 0:
             op["fail_rank"] = injected_failure_rank(FAIL_SCATTER_ENV)
-        if staged.check_path:
-            op["verify_path"] = staged.check_path
+        if staged.check:
+            op["verify_path"], op["verify_names"] = staged.check.path, staged.check.names
         started = time.perf_counter()
         outcome = await self._run_op(op, version)
         if not outcome.get("ok"):
@@ -402,7 +406,7 @@ class SglangAdapter(EngineAdapter):
                     f"sglang: the {op['op']} failed and was taken back on every rank: {outcome.get('error')}"
                 )
             raise EngineError(f"sglang: the {op['op']} failed: {outcome.get('error')}")
-        check_s = self._record_verification(outcome) if staged.check_path else None
+        check_s = self._record_verification(outcome) if staged.check else None
         log.info(
             "delta_swap: %s %d changed tensors as %s",
             "switched in the new parameters of" if op["op"] == "switch" else "wrote the changed elements of",

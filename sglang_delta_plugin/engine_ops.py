@@ -263,7 +263,7 @@ def in_pause(scheduler: Any, request: dict[str, Any]) -> dict[str, Any]:
         if op == "commit":
             _commit(model, str(request["path"]))
         elif op == "verify":
-            outcome["checks"] = _verify(model, str(request["path"]))
+            outcome["checks"] = _verify(model, str(request["path"]), request.get("names"))
         elif op in ("scatter", "switch"):
             outcome.update(_apply_staged(model, request))
         elif op == "undo":
@@ -319,7 +319,7 @@ def _apply_staged(model: Any, op: dict[str, Any]) -> dict[str, Any]:
     count, _state["undo"] = staged.apply(str(op["op"]), model, fail_after)  # undone in it if it fails
     outcome: dict[str, Any] = {"parameters": count}
     if op.get("verify_path"):  # a failure from here on is undone by in_pause
-        outcome["checks"] = _verify(model, str(op["verify_path"]))
+        outcome["checks"] = _verify(model, str(op["verify_path"]), op.get("verify_names"))
     return outcome
 
 
@@ -345,16 +345,16 @@ def _tp_rank() -> int:
         return 0
 
 
-def _verify(model: Any, path: str) -> int:
-    """Read back the modules the tensors of the safetensors file ``path`` load into (and those
-    sharing a parameter with them) against those tensors, or this rank's shard of them at tensor
-    parallel > 1; raises on the first difference."""
+def _verify(model: Any, path: str, names: list[str] | None = None) -> int:
+    """Read back the modules the tensors ``names`` (default: all) of the safetensors file ``path``
+    load into (and those sharing a parameter with them) against those tensors, or this rank's
+    shard of them at tensor parallel > 1; raises on the first difference."""
     import torch
-    from safetensors.torch import load_file
 
     from delta_swap.readback import verify_modules
+    from delta_swap.staged_swap import read_staged
 
-    published = load_file(path)
+    published = dict(read_staged(path, set(names) if names else None))
     packed = packed_modules(model)
     shard = local_shards(packed) if _tp_size() > 1 else None
     with torch.inference_mode():

@@ -17,6 +17,7 @@ from delta_swap.checksum import verify
 from delta_swap.dtypes import to_torch_dtype
 from delta_swap.errors import IncompatibleSnapshotError
 from delta_swap.served_model import ServedModel
+from delta_swap.staging_files import StagedTensors
 from delta_swap.tensors import HostTensor
 
 #: Each tensor starts at a multiple of this in the bucket, so SGLang's ``.view(dtype)`` is aligned.
@@ -44,8 +45,8 @@ class Bucket:
     #: rank, as SGLang expects (each rank deserializes, and so receives the descriptor, once).
     payloads: list[bytes]
     nbytes: int
-    #: A safetensors file of the tensors the read-back after the load compares with (None: not read back).
-    check_path: str | None = None
+    #: The tensors the read-back after the load compares with (None: not read back).
+    check: StagedTensors | None = None
 
 
 def pack(

@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import json
 
+import numpy as np
 import pytest
 
 from delta_swap import store_keys
 from delta_swap.errors import SwapUndoneError
 from delta_swap.publisher import Publisher, PublisherConfig
+from delta_swap.safetensors_io import read_safetensors
 from delta_swap.settings import Settings
 from delta_swap.stores import Store
 from delta_swap.subscriber import Subscriber
@@ -380,4 +382,103 @@ async def test_a_tampered_base_is_rejected_when_streamed(tmp_path, monkeypatch, 
     st = sub.status()
     assert st["current_step"] is None and not engine.weights and engine.calls == []
     assert "mismatch" in st["last_error"] or "Corrupt" in st["last_error"], st["last_error"]
+    await sub.stop()
+
+
+class CopyingAdapter(RecordingAdapter):
+    """An engine that copies what an update hands it, as vLLM's workers and SGLang's schedulers do:
+    the subscriber decodes into one copy of the weights in the staging folder."""
+
+    copies_updates = True
+
+
+def _weights_files(folder) -> list:
+    return sorted(folder.glob("delta-swap-weights-*"))
+
+
+async def test_an_engine_that_copies_updates_gets_them_decoded_in_place_into_one_file(tmp_path) -> None:
+    """One file holds the served weights; each delta is decoded over them (no previous copy kept
+    beside the new one), the engine is handed that file, and it goes when the server stops."""
+    steps = rl_steps(4)
+    store, staging = tmp_path / "store", tmp_path / "staging"
+    staging.mkdir()
+    _publish(store, steps[:2], base_every=100)
+    engine = CopyingAdapter()
+    sub = Subscriber(Settings(store=str(store), staging_dir=str(staging)), engine)
+    assert await sub.sync()
+    [copy] = _weights_files(staging)
+    first = engine.updates[0]
+    assert first.state_file == str(copy) and first.previous is None
+    _publish(store, steps[2:4], start=2, base_every=100)
+    assert await sub.sync() and sub.current.step == 3
+    second = engine.updates[1]
+    assert second.state_file == str(copy) and second.previous is None and _weights_files(staging) == [copy]
+    changed = second.names[0]
+    assert np.shares_memory(first.state[changed].data, second.state[changed].data)  # decoded in place
+    on_disk = read_safetensors(copy.read_bytes())  # what the engine's processes read
+    assert_state_equal(on_disk, steps[3])
+    assert_state_equal(engine.weights, steps[3])
+    await sub.stop()
+    assert _weights_files(staging) == []
+
+
+async def test_a_failed_swap_after_an_in_place_decode_rolls_back_from_the_store(tmp_path) -> None:
+    """The copy holds the failed update's weights: the rollback rebuilds the served step from the
+    store, the engine serves it again, and the next update starts from a base."""
+    steps = rl_steps(3)
+    store, staging = tmp_path / "store", tmp_path / "staging"
+    staging.mkdir()
+    _publish(store, steps[:2], base_every=100)
+    engine = CopyingAdapter()
+    sub = Subscriber(Settings(store=str(store), staging_dir=str(staging)), engine)
+    assert await sub.sync()
+    _publish(store, steps[2:], start=2, base_every=100)
+    engine.fail_next_swap = True
+    assert not await sub.sync()
+    st = sub.status()
+    assert st["current_step"] == 1 and "engine refused" in st["last_error"], st
+    assert engine.version == "step-0000000001" and engine.calls[-2:] == ["swap:step-0000000001", "resume"]
+    assert_state_equal(engine.weights, steps[1])
+    assert await sub.sync() and sub.current.step == 2
+    assert sub.status()["last_update_path"][0] == "step-0000000000"  # from the base: the copy was decoded over
+    assert_state_equal(engine.weights, steps[2])
+    await sub.stop()
+
+
+async def test_a_fetch_that_fails_before_decoding_keeps_the_copy_and_the_next_update_a_delta(tmp_path) -> None:
+    """A store error before anything is written leaves the copy holding the served weights."""
+    steps, store, staging = rl_steps(3), tmp_path / "store", tmp_path / "staging"
+    staging.mkdir()
+    _publish(store, steps[:2], base_every=100)
+    sub = Subscriber(Settings(store=str(store), staging_dir=str(staging)), CopyingAdapter())
+    assert await sub.sync()
+    _publish(store, steps[2:], start=2, base_every=100)
+    shard = next((store / "snapshots" / "step-0000000002").glob("shard-*"))
+    kept = shard.read_bytes()
+    shard.unlink()
+    assert not await sub.sync() and "NotFoundError" in sub.status()["last_error"]
+    shard.write_bytes(kept)
+    assert await sub.sync() and sub.current.step == 2
+    assert sub.status()["last_update_path"] == ["step-0000000002"]
+    await sub.stop()
+
+
+async def test_a_staging_folder_without_room_for_the_copy_decodes_into_memory(tmp_path, monkeypatch) -> None:
+    """The copy's bytes are reserved up front: a full tmpfs refuses them (a write past its room
+    would kill the server with SIGBUS), and the update goes on in this process's memory."""
+    import errno
+    import os
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    steps, store, staging = rl_steps(2), tmp_path / "store", tmp_path / "staging"
+    staging.mkdir()
+    _publish(store, steps, base_every=100)
+    engine = CopyingAdapter()
+    sub = Subscriber(Settings(store=str(store), staging_dir=str(staging)), engine)
+    assert await sub.sync() and sub.current.step == 1
+    assert engine.updates[0].state_file is None and _weights_files(staging) == []
+    assert_state_equal(engine.weights, steps[1])
     await sub.stop()

@@ -82,6 +82,9 @@ class StagedFile:
     inplace: bool = False
     #: The shadow path: the workers hold shadow modules built from this file (``stage_shadow``).
     shadow: bool = False
+    #: Whether the files are this staging's own (removed when it is dropped), not the subscriber's
+    #: copy of the weights (``WeightUpdate.state_file``).
+    owned: bool = True
 
 
 def packed_modules_of(vllm_config: Any) -> Mapping[str, Sequence[str]] | None:
@@ -131,6 +134,7 @@ class VllmAdapter(EngineAdapter):
     """Drives vLLM's engine client: pause, start/update/finish weight update, reset cache, resume."""
 
     name = "vllm"
+    copies_updates = True  # its workers copy every tensor they read from a staged file
 
     def __init__(
         self, engine_client: Any, settings: Settings, served: ServedModel, packed: Mapping[str, Sequence[str]] | None
@@ -248,21 +252,27 @@ class VllmAdapter(EngineAdapter):
             names = sorted(update.state)
         else:
             names = sorted(complete_modules(update.names, self._groups, self.packed) & update.state.keys())
-        path = staging_file(self.settings.staging_dir, f"update-{update.version}")
+        # The subscriber's copy holds every tensor: the workers read the update from it.
+        owned = update.state_file is None
+        path = staging_file(self.settings.staging_dir, f"update-{update.version}") if owned else update.state_file
+        assert path is not None
 
         # What the verification compares with: whole modules, computed apart from the completion above
         # (so a completion that missed a tensor is caught); the same file whenever they agree.
         check, check_path, verify = names, path, self.verify_budget.due()
         if verify:
             check = tensors_of_modules(names, update.state, self.packed or {})
-            check_path = path if check == names else path.replace(".safetensors", ".verify.safetensors")
+            check_path = path if check == names or not owned else path.replace(".safetensors", ".verify.safetensors")
 
         def write() -> None:
             for file, tensors in {path: names, check_path: check}.items():
                 write_tensors(file, update.state, tensors)
 
-        await asyncio.to_thread(write)
-        staged = StagedFile(path, names, check_path, check, verify, inplace=self.inplace, shadow=self.shadow)
+        if owned:
+            await asyncio.to_thread(write)
+        staged = StagedFile(
+            path, names, check_path, check, verify, inplace=self.inplace, shadow=self.shadow, owned=owned
+        )
         if staged.inplace or staged.shadow:
             try:
                 fallback = await self._stage_on_workers(
@@ -300,7 +310,7 @@ class VllmAdapter(EngineAdapter):
 
     async def unstage(self, staged: StagedFile | Arena) -> None:
         if isinstance(staged, StagedFile):
-            for file in {staged.path, staged.verify_path}:
+            for file in {staged.path, staged.verify_path} if staged.owned else ():
                 os.unlink(file)
             if staged.inplace or staged.shadow:  # the workers drop what they staged and the undo
                 await self._call({"op": "drop_staged"})

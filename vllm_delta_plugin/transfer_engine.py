@@ -63,7 +63,7 @@ from delta_swap.readback import modules_sharing_parameters_with as _modules_shar
 from delta_swap.readback import verify_modules
 from delta_swap.served_model import ServedModel
 from delta_swap.settings import Settings, SwapPath
-from delta_swap.staged_swap import StagedSwap, inplace_possible, read_staged
+from delta_swap.staged_swap import StagedSwap, copy_views, inplace_possible, read_staged
 from delta_swap.torch_params import ArenaMappings, describe_arena
 from delta_swap.undo import restored
 
@@ -113,6 +113,8 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         self._groups = module_groups(self._served.specs, self._packed)
         #: Modules that received tensors in the reload under way.
         self._touched: set[str] = set()
+        #: The tensors read for the reload under way (views of the staged file).
+        self._loaded: list[tuple[str, torch.Tensor]] = []
         self._active = False
         self._arenas: ArenaMappings | None = None
         #: The in-place and shadow paths: what a thread of this worker stages while the engine
@@ -302,6 +304,7 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         weights = read_staged(update_info.path, set(update_info.names))
         self._validate(weights)
         self._touched.update(module_of(name, self._packed) for name, _ in weights)
+        self._loaded.extend(weights)  # views of the staged file: no parameter may keep one (_finalize)
         with set_current_vllm_config(self.vllm_config), torch.inference_mode():
             if not self._active:
                 initialize_layerwise_reload(self.model)
@@ -382,8 +385,12 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             for path, experts in _reloaded_cpu_experts(self.model, self._touched):
                 experts.process_weights_after_loading(self.model.get_submodule(path))
                 log.info("delta_swap: prepacked the reloaded experts of %s for the CPU kernel", path)
+            copied = copy_views(self.model, self._loaded)
+            if copied:
+                log.warning("delta_swap: %d reloaded tensors viewed the staged file: copied", copied)
         self._active = False
         self._touched = set()
+        self._loaded = []
 
     def shutdown(self) -> None:
         self._staged.shutdown()

@@ -73,7 +73,10 @@ class RecordingAdapter(EngineAdapter):
         else:
             names = update.names
         for name in names:
-            self.weights[name] = update.state[name]
+            value = update.state[name]  # an engine that copies updates must not keep a reference
+            self.weights[name] = (
+                HostTensor(value.dtype, value.shape, value.data.copy()) if self.copies_updates else value
+            )
             if self.fail_next_swap:
                 self.fail_next_swap = False
                 raise EngineError("engine refused the update")
