@@ -396,16 +396,23 @@ def _weights_files(folder) -> list:
     return sorted(folder.glob("delta-swap-weights-*"))
 
 
+async def _copying_server(tmp_path, steps, served: int) -> tuple:
+    """(store, staging folder, engine, subscriber) of an engine that copies updates, serving step
+    ``served - 1`` of ``steps``."""
+    store, staging = tmp_path / "store", tmp_path / "staging"
+    staging.mkdir()
+    _publish(store, steps[:served], base_every=100)
+    engine = CopyingAdapter()
+    sub = Subscriber(Settings(store=str(store), staging_dir=str(staging)), engine)
+    assert await sub.sync() and sub.current.step == served - 1
+    return store, staging, engine, sub
+
+
 async def test_an_engine_that_copies_updates_gets_them_decoded_in_place_into_one_file(tmp_path) -> None:
     """One file holds the served weights; each delta is decoded over them (no previous copy kept
     beside the new one), the engine is handed that file, and it goes when the server stops."""
     steps = rl_steps(4)
-    store, staging = tmp_path / "store", tmp_path / "staging"
-    staging.mkdir()
-    _publish(store, steps[:2], base_every=100)
-    engine = CopyingAdapter()
-    sub = Subscriber(Settings(store=str(store), staging_dir=str(staging)), engine)
-    assert await sub.sync()
+    store, staging, engine, sub = await _copying_server(tmp_path, steps, 2)
     [copy] = _weights_files(staging)
     first = engine.updates[0]
     assert first.state_file == str(copy) and first.previous is None
@@ -426,12 +433,7 @@ async def test_a_failed_swap_after_an_in_place_decode_rolls_back_from_the_store(
     """The copy holds the failed update's weights: the rollback rebuilds the served step from the
     store, the engine serves it again, and the next update starts from a base."""
     steps = rl_steps(3)
-    store, staging = tmp_path / "store", tmp_path / "staging"
-    staging.mkdir()
-    _publish(store, steps[:2], base_every=100)
-    engine = CopyingAdapter()
-    sub = Subscriber(Settings(store=str(store), staging_dir=str(staging)), engine)
-    assert await sub.sync()
+    store, _staging, engine, sub = await _copying_server(tmp_path, steps, 2)
     _publish(store, steps[2:], start=2, base_every=100)
     engine.fail_next_swap = True
     assert not await sub.sync()
@@ -447,11 +449,8 @@ async def test_a_failed_swap_after_an_in_place_decode_rolls_back_from_the_store(
 
 async def test_a_fetch_that_fails_before_decoding_keeps_the_copy_and_the_next_update_a_delta(tmp_path) -> None:
     """A store error before anything is written leaves the copy holding the served weights."""
-    steps, store, staging = rl_steps(3), tmp_path / "store", tmp_path / "staging"
-    staging.mkdir()
-    _publish(store, steps[:2], base_every=100)
-    sub = Subscriber(Settings(store=str(store), staging_dir=str(staging)), CopyingAdapter())
-    assert await sub.sync()
+    steps = rl_steps(3)
+    store, _staging, _engine, sub = await _copying_server(tmp_path, steps, 2)
     _publish(store, steps[2:], start=2, base_every=100)
     shard = next((store / "snapshots" / "step-0000000002").glob("shard-*"))
     kept = shard.read_bytes()
@@ -473,12 +472,8 @@ async def test_a_staging_folder_without_room_for_the_copy_decodes_into_memory(tm
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", full)
-    steps, store, staging = rl_steps(2), tmp_path / "store", tmp_path / "staging"
-    staging.mkdir()
-    _publish(store, steps, base_every=100)
-    engine = CopyingAdapter()
-    sub = Subscriber(Settings(store=str(store), staging_dir=str(staging)), engine)
-    assert await sub.sync() and sub.current.step == 1
+    steps = rl_steps(2)
+    _store, staging, engine, sub = await _copying_server(tmp_path, steps, 2)
     assert engine.updates[0].state_file is None and _weights_files(staging) == []
     assert_state_equal(engine.weights, steps[1])
     await sub.stop()
