@@ -2,8 +2,8 @@
 every model family on the reload path, and on the arena and in-place paths where vLLM can keep
 plain weights (a failure injected mid-scatter leaves the previous weights served exactly).
 
-One plugin server per family and path follows a store; after each partial delta its prompt
-logprobs are compared with a fresh server's on the same checkpoint, with the same settings."""
+One plugin server per family and path follows a store; after the step of the family's partial
+deltas (and after each injected failure's retry) its prompt logprobs are compared with a fresh server's on the same checkpoint, with the same settings."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def completion_logprobs(url: str, prompt: list[int], headers: Mapping[str, str] 
     return [logprobs["token_logprobs"], logprobs["top_logprobs"]]
 
 
-@pytest.mark.full_matrix("fused constituents: TestQwen2Shadow; llama: TestLlamaArena")
+@pytest.mark.full_matrix("fused constituents: TestQwen2Shadow, TestQwen2Inplace")
 class TestLlamaReload(VllmExactness):
     family, swap_path = "llama", "reload"
 
@@ -72,7 +72,9 @@ class TestQwen2MoeReload(VllmExactness):
     family, swap_path = "qwen2_moe", "reload"
 
 
-@pytest.mark.full_matrix("biases and a fused constituent on the arena path: TestLlamaArena, TestQwen2Inplace")
+@pytest.mark.full_matrix(
+    "biases and a fused constituent in the same plain layout: TestQwen2Inplace; the arena path: TestQwen3TiedArena"
+)
 class TestQwen2Arena(VllmExactness):
     family, swap_path = "qwen2", "arena"
 
@@ -149,12 +151,15 @@ class TestQwen3TiedArenaDP2(TestQwen3TiedReloadDP2):
     swap_path = "arena"
 
 
+@pytest.mark.full_matrix(
+    "fused constituents in the same plain layout: TestQwen2Inplace; the arena path: TestQwen3TiedArena"
+)
 class TestLlamaArena(VllmExactness):
     family, swap_path = "llama", "arena"
 
 
 @pytest.mark.full_matrix(
-    "nothing: fused experts have no arena slot on any CPU (said and skipped); MoE: TestQwen3MoeShadow"
+    "nothing: fused experts have no arena slot on any CPU (said and skipped); MoE: TestQwen3MoeShadowTP2"
 )
 class TestQwen3MoeArena(VllmExactness):
     family, swap_path = "qwen3_moe", "arena"
@@ -202,6 +207,9 @@ class TestQwen3TiedShadow(VllmExactness):
     family, swap_path = "qwen3", "shadow"
 
 
+@pytest.mark.full_matrix(
+    "MoE shadows at TP 2: TestQwen3MoeShadowTP2; at TP 1, with int8 experts: TestQwen3MoeInt8Shadow"
+)
 class TestQwen3MoeShadow(VllmExactness):
     """One expert's update builds the whole MoE layer as a shadow (every expert loaded, then
     prepacked by vLLM's CPU experts kernel on the shadow); the router alone, too."""
@@ -237,6 +245,7 @@ class TestQwen3MoeInt8Shadow(VllmExactness):
     extra = ("--quantization", "int8_per_channel_weight_only")
 
 
+@pytest.mark.full_matrix("int8 experts on the shadow path: TestQwen3MoeInt8Shadow; MoE reloaded: TestQwen2MoeReload")
 class TestQwen3MoeInt8Reload(TestQwen3MoeInt8Shadow):
     """The same quantized server on vLLM's own layerwise reload (which quantizes the reloaded
     layers again), read back the same way."""
@@ -257,7 +266,7 @@ class TestQwen3TiedAutoTP2(TensorParallel2):
     family, swap_path, auto_takes = "qwen3", "auto", "inplace"
 
 
-@pytest.mark.full_matrix("MoE swaps: TestQwen3MoeShadow (expert updates built as shadows)")
+@pytest.mark.full_matrix("MoE swaps: TestQwen3MoeShadowTP2, TestQwen3MoeInt8Shadow (expert updates built as shadows)")
 class TestQwen3MoeInplace(VllmExactness):
     """vLLM's CPU experts kernel prepacks the experts: no in-place path there (said and skipped)."""
 

@@ -28,13 +28,29 @@ TP2 = 2
     ("family", "fix", "named", "verify", "tp"),
     [
         ("qwen3", "tied", "lm_head", "always", 1),
-        ("qwen3_moe", "experts", "mlp.experts", "always", 1),
+        pytest.param(
+            "qwen3_moe",
+            "experts",
+            "mlp.experts",
+            "always",
+            1,
+            marks=pytest.mark.full_matrix("the experts bug under the default verify_swaps (auto) and at TP 2"),
+        ),
         ("qwen2", "modules", "qkv_proj", "always", 1),
         # The default (auto) reads back at least the first sync, where the experts bug shows.
         ("qwen3_moe", "experts", "mlp.experts", None, 1),
         # Two tensor-parallel ranks (one core each): each reads back its shard of the vocabulary,
         # and its shard of one expert.
-        ("qwen3", "tied", "lm_head", "always", TP2),
+        pytest.param(
+            "qwen3",
+            "tied",
+            "lm_head",
+            "always",
+            TP2,
+            marks=pytest.mark.full_matrix(
+                "the tied bug at TP 1; a read-back on each of two ranks: the experts bug at TP 2"
+            ),
+        ),
         ("qwen3_moe", "experts", "mlp.experts", "always", TP2),
         # Experts quantized to int8 as vLLM loads them, on the shadow path: the read-back runs each
         # expert through the live kernel against a fresh quantization of the published layer.

@@ -13,12 +13,13 @@ runs the checks below against a real server::
         def start_server(self, model, workdir, settings, log_name): ...   # a live server
         def prompt_logprobs(self, url, prompt): ...          # per-token logprobs of a prompt
 
-For each partial delta of the family (:data:`PARTIAL_DELTAS`: the updates that break engines, such
-as one expert of an MoE layer, a bias alone, the embedding alone of a tied model), the suite
-publishes the step, waits until the server reports it without error, and compares the served
-prompt logprobs with those of a fresh server started on the same checkpoint with the same
-settings: exactly, as the engines are deterministic for one request at a time. A path the
-engine cannot take is skipped with the engine's reason.
+The family's partial deltas (:data:`PARTIAL_DELTAS`: the updates that break engines, such as one
+expert of an MoE layer, a bias alone, the embedding alone of a tied model) move different engine
+modules, so the suite publishes them as one step: each module still gets only its partial update,
+and the step costs one fresh server. It waits until the server reports the step without error, and
+compares the served prompt logprobs with those of a fresh server started on the same checkpoint
+with the same settings: exactly, as the engines are deterministic for one request at a time. A
+path the engine cannot take is skipped with the engine's reason.
 
 With ``DELTA_SWAP_MATRIX_OUT`` naming a file, each swap (and each skip) is appended to it as a JSON
 line: engine, family, path, layout, exact or not, the swap's no-generation window and the test id;
@@ -38,8 +39,9 @@ from typing import Any, ClassVar, Protocol
 
 import pytest
 
-#: Per model family, the partial deltas published one step each: (what moves, a regular expression
-#: over checkpoint names). Each leaves other tensors of the same engine module unchanged.
+#: Per model family, the partial deltas, published together as one step: (what moves, a regular
+#: expression over checkpoint names). Each leaves other tensors of the same engine module unchanged,
+#: and no two move the same module.
 PARTIAL_DELTAS: dict[str, list[tuple[str, str]]] = {
     "llama": [
         (
@@ -96,6 +98,9 @@ class Chain:
     store: Path
     workdir: Path
     checkpoints: list[Path] = field(default_factory=list)
+    #: Whether the last step moved every layer-0 module (a failure check's step): publishing the
+    #: checkpoint before it again moves them all back, and its reference is known already.
+    last_moved_layer0: bool = False
 
 
 #: A server without a store reads ``swap_path`` only to choose how it keeps its weights; arena and
@@ -120,7 +125,7 @@ class EngineExactnessTests:
     #: The adapter's name as its status gives it, for a record made when the server did not start.
     engine: ClassVar[str] = ""
     #: On the shadow path, the partial deltas (by what moves) that load into a module the engine
-    #: cannot build as a shadow, so that the update is reloaded instead (the status says why).
+    #: cannot build as a shadow, so that the step is reloaded instead (the status says why).
     reloaded: ClassVar[frozenset[str]] = frozenset()
     #: The swap path a reference server (no store) is started with, by the path under test: paths
     #: that hold the weights the same way share their references.
@@ -217,38 +222,38 @@ class EngineExactnessTests:
             reason = _cannot_take(st, self.family, self.swap_path)
             self._record(request, st, skipped=reason)
             pytest.skip(reason)
-        for step, (what, only) in enumerate(PARTIAL_DELTAS[self.family], start=1):
-            before = self._served(chain.server.url)
-            checkpoint = self.perturb(chain.checkpoints[-1], chain.workdir / f"step-{step}", only, seed=step)
-            chain.checkpoints.append(checkpoint)
-            self.publish(chain.store, step, checkpoint)
+        deltas = PARTIAL_DELTAS[self.family]
+        what, only = "; ".join(w for w, _ in deltas), "|".join(f"(?:{o})" for _, o in deltas)
+        step = len(chain.checkpoints)
+        before = self._served(chain.server.url)
+        checkpoint = self.perturb(chain.checkpoints[-1], chain.workdir / f"step-{step}", only, seed=step)
+        chain.checkpoints.append(checkpoint)
+        chain.last_moved_layer0 = False
+        self.publish(chain.store, step, checkpoint)
 
-            def reached(s: dict[str, Any], n: int = step) -> bool:
-                return bool(s["current_step"] == n or s["failures"] > 0)
-
-            st = wait_for(chain.server.url, reached, 300)
-            assert st["current_step"] == step and st["last_error"] is None, (what, st)
-            if st["swap_path"] == "shadow":  # built as shadows, or reloaded where the engine said so
-                fallback = (st.get("last_staged") or {}).get("fallback")
-                assert bool(fallback) == (what in self.reloaded), (what, st)
-            verification = st.get("last_verification")
-            if st["swap_path"] in ("reload", "tensor", "inplace", "shadow"):  # read back with verify_swaps=always
-                assert verification is not None, st
-                assert verification["checks"] > 0, st  # the read-back ran (every tensor-parallel rank too)
-                assert self.read_back_may_skip or not verification.get("skipped"), st
-            served = self._served(chain.server.url)
-            reference = self._reference(checkpoint, chain.workdir, f"ref-{step}.log")
-            difference = _max_difference(served, reference)
-            self._record(request, st, step=step, what=what, exact=served == reference, max_difference=difference)
-            assert reference != before, f"step {step} ({what}) changes no logprob: the check could not fail"
-            if served != reference:
-                previous = self._reference(chain.checkpoints[-2], chain.workdir, f"ref-{step - 1}.log")
-                pytest.fail(
-                    f"{self.family}, step {step} ({what}), {st['swap_path']} path: served logprobs differ from a fresh "
-                    f"server's on the same checkpoint, max |difference| {difference:.3g}; "
-                    + _diagnosis(served, reference, before, previous)
-                    + f"; status: {json.dumps(st, default=str)}"
-                )
+        st = wait_for(chain.server.url, lambda s: s["current_step"] == step or s["failures"] > 0, 300)
+        assert st["current_step"] == step and st["last_error"] is None, (what, st)
+        if st["swap_path"] == "shadow":  # built as shadows, or reloaded where the engine said so
+            fallback = (st.get("last_staged") or {}).get("fallback")
+            assert bool(fallback) == any(w in self.reloaded for w, _ in deltas), (what, st)
+        verification = st.get("last_verification")
+        if st["swap_path"] in ("reload", "tensor", "inplace", "shadow"):  # read back with verify_swaps=always
+            assert verification is not None, st
+            assert verification["checks"] > 0, st  # the read-back ran (every tensor-parallel rank too)
+            assert self.read_back_may_skip or not verification.get("skipped"), st
+        served = self._served(chain.server.url)
+        reference = self._reference(checkpoint, chain.workdir, f"ref-{step}.log")
+        difference = _max_difference(served, reference)
+        self._record(request, st, step=step, what=what, exact=served == reference, max_difference=difference)
+        assert reference != before, f"step {step} ({what}) changes no logprob: the check could not fail"
+        if served != reference:
+            previous = self._reference(chain.checkpoints[-2], chain.workdir, f"ref-{step - 1}.log")
+            pytest.fail(
+                f"{self.family}, step {step} ({what}), {st['swap_path']} path: served logprobs differ from a fresh "
+                f"server's on the same checkpoint, max |difference| {difference:.3g}; "
+                + _diagnosis(served, reference, before, previous)
+                + f"; status: {json.dumps(st, default=str)}"
+            )
 
     # ------------------------------------------------------------------ helpers
 
@@ -321,7 +326,10 @@ class InjectedFailureTests(EngineExactnessTests):
         before = self._served(chain.server.url)
         marker.write_text(marker_text)
         try:
-            checkpoint = self.perturb(chain.checkpoints[-1], chain.workdir / f"step-{step}", r"layers\.0\.", step)
+            if chain.last_moved_layer0:  # back to the checkpoint before: one fresh server fewer
+                checkpoint = chain.checkpoints[-2]
+            else:
+                checkpoint = self.perturb(chain.checkpoints[-1], chain.workdir / f"step-{step}", r"layers\.0\.", step)
             self.publish(chain.store, step, checkpoint)
             st = wait_for(chain.server.url, lambda s: s["failures"] > failures or s["current_step"] == step, 300)
             assert st["current_step"] == step - 1 and message in (st["last_error"] or ""), st
@@ -329,6 +337,7 @@ class InjectedFailureTests(EngineExactnessTests):
         finally:
             marker.unlink(missing_ok=True)
         chain.checkpoints.append(checkpoint)
+        chain.last_moved_layer0 = True
         wait_for(chain.server.url, lambda s: s["current_step"] == step, 300)  # the retry swaps it in
         reference = self._reference(checkpoint, chain.workdir, f"ref-{step}.log")
         assert self._served(chain.server.url) == reference
