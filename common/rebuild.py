@@ -99,7 +99,7 @@ def apply_snapshot(
     """
     meter = meter or Meter()
     check_applicable(prev, manifest, out)
-    meter.wrote_out = meter.wrote_out or out is not None
+    meter.wrote_out = meter.wrote_out or out is not None  # the shards were verified: decoding writes into out
 
     with ThreadPoolExecutor(threads or decode_threads(), thread_name_prefix="delta-swap-decode") as pool:
 
@@ -221,7 +221,7 @@ async def stream_snapshot(
     with ThreadPoolExecutor(threads or decode_threads(), thread_name_prefix="delta-swap-decode") as pool:
         for shard in manifest.shards:
             tensors = sorted((t for t in manifest.tensors if t.shard == shard.name), key=lambda t: t.offset)
-            with _ShardWriter(manifest, shard, tensors, prev, out, pool, authenticated, rebuilt) as writer:
+            with _ShardWriter(manifest, shard, tensors, prev, out, pool, authenticated, rebuilt, meter) as writer:
                 await _stream_shard(store, manifest, shard, writer, piece_bytes, meter)
         meter.wrote_out = True
         t0 = time.perf_counter()
@@ -263,7 +263,6 @@ async def _stream_shard(
                 raise CorruptDataError(f"{what}: bytes {start}-{end} came back with {len(data)} bytes")
             ahead = asyncio.ensure_future(anext(pieces, None)) if end < shard.size else None
             t1 = time.perf_counter()
-            meter.wrote_out = True
             await asyncio.to_thread(writer.add, start, data)
             meter.add("fetch", t1 - t0)
             meter.add("decode", time.perf_counter() - t1)
@@ -330,9 +329,10 @@ class _Spool:
 
 
 class _ShardWriter:
-    """Takes one shard's bytes, arriving in order: raw tensors are copied into ``out`` piece by
-    piece, encoded ones spooled; :meth:`finish` checks the shard's digests and only then decodes
-    the encoded tensors (on ``pool``)."""
+    """Takes one shard's bytes, arriving in order: a base's (raw) tensors are copied into ``out``
+    piece by piece, a delta shard's tensors spooled; :meth:`finish` checks the shard's digests and
+    only then copies or decodes the spooled tensors (on ``pool``). So a delta that fails its digests
+    leaves ``out`` as it was (``out`` may hold the served weights being decoded over in place)."""
 
     def __init__(
         self,
@@ -344,9 +344,11 @@ class _ShardWriter:
         pool: ThreadPoolExecutor,
         authenticated: bool,
         rebuilt: dict[str, HostTensor],
+        meter: Meter,
     ) -> None:
         self.manifest, self.shard, self.tensors, self.prev, self.out = manifest, shard, tensors, prev, out
-        self.pool, self.rebuilt = pool, rebuilt
+        self.pool, self.rebuilt, self.meter = pool, rebuilt, meter
+        self.direct = not is_delta_shard(shard.name)  # raw tensors go straight into out
         self.authenticated = authenticated
         self.digest = BlobDigest(sha256=authenticated)
         self.next = 0  # the first tensor not yet complete (tensors are sorted by offset, ranges disjoint)
@@ -372,7 +374,8 @@ class _ShardWriter:
             if t.offset >= end:  # starts in a later piece
                 break
             lo, hi = max(t.offset, start), min(t.offset + t.length, end)
-            if lo < hi and t.encoding is Encoding.RAW:
+            if lo < hi and t.encoding is Encoding.RAW and self.direct:
+                self.meter.wrote_out = True
                 self.out[t.name].data[lo - t.offset : hi - t.offset] = view[lo - start : hi - start]
             elif lo < hi:
                 self.spooled.setdefault(t.name, self.spool.size)
@@ -389,9 +392,10 @@ class _ShardWriter:
         if is_delta_shard(self.shard.name):
             check_delta_shard(self.head, what)
         payloads = self.spool.view()  # verified: now, and only now, the codec may read it
+        self.meter.wrote_out = True
         encoded = []
         for t in self.tensors:
-            if t.encoding is Encoding.RAW:
+            if t.encoding is Encoding.RAW and self.direct:
                 self.rebuilt[t.name] = self.out[t.name]
             else:
                 at = self.spooled.get(t.name, 0)

@@ -63,8 +63,10 @@ class Subscriber:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._stopping = False
-        #: The weights the engine serves, decoded (None when unknown: the next update is a base).
+        #: Decoded weights (None when unknown: the next update is a base), and the snapshot they hold:
+        #: the one served, or after a failed swap whose update was decoded over them, that update.
         self._state: StateDict | None = None
+        self._held: Manifest | None = None
         self._host_copy: HostCopy | None = None  # for an engine that copies updates
         self._state_in_copy = False  # whether _state's tensors live in it (and are decoded over)
         self._current: Manifest | None = None
@@ -180,7 +182,7 @@ class Subscriber:
                 return await self._sync(force_base, allow_older)
             except EngineStateUnknownError as exc:
                 self._record_error(exc)
-                self._current = self._state = None  # reload every tensor at the next poll
+                self._current = self._state = self._held = None  # reload every tensor at the next poll
                 return False
             except (DeltaSwapError, OSError, asyncio.TimeoutError) as exc:
                 self._record_error(exc)
@@ -268,7 +270,8 @@ class Subscriber:
         if not force_base and current is not None and newest.step <= current.step:
             return False
         path = await self._plan(newest, force_base)
-        target = path[-1]
+        target = path[-1] if path else self._held  # no path: a failed swap's update, decoded already
+        assert target is not None
         if not allow_older:
             freshness.refuse_going_back(target, seen, "this server", _OVERRIDE)
         self.adapter.served.check_fits(target.specs)  # before a byte is fetched
@@ -280,7 +283,7 @@ class Subscriber:
             len(path),
         )
         self._enter_phase("fetch")  # fetch, decode and verify
-        start = None if path[0].kind is SnapshotKind.BASE else self._state
+        start = None if path and path[0].kind is SnapshotKind.BASE else self._state
         if any(t.encoding not in (Encoding.RAW, Encoding.SAME) for m in path for t in m.tensors):
             await asyncio.to_thread(codec_warm_up.start_warm_up(encoder=False).join)  # compiled before, not during
         out = await self.adapter.destination(target.specs)  # the engine's spare weights, if it has them
@@ -288,15 +291,19 @@ class Subscriber:
         in_place = copy is not None and self._state_in_copy  # the served weights are decoded over
         meter, decoded = Meter(timings, self._metrics.bytes_fetched.inc), False
         try:
-            state = await replay(
-                self.reader,
-                path,
-                start,
-                concurrency=self.settings.fetch_concurrency,
-                meter=meter,
-                max_model_bytes=self._max_model_bytes(),
-                out=copy.state if copy is not None else out,
-            )
+            if path:
+                state = await replay(
+                    self.reader,
+                    path,
+                    start,
+                    concurrency=self.settings.fetch_concurrency,
+                    meter=meter,
+                    max_model_bytes=self._max_model_bytes(),
+                    out=copy.state if copy is not None else out,
+                )
+            else:
+                assert start is not None
+                state = start
             decoded = True
             update = WeightUpdate(
                 version=target.snapshot_id,
@@ -312,12 +319,14 @@ class Subscriber:
                 await apply_update(self.adapter, update, self.settings, on_phase=self._enter_phase, restore=restore)
             )
         except BaseException:
-            if in_place and (decoded or meter.wrote_out):
-                self._state = None
-                log.warning("delta-swap: the copy of the weights holds no served snapshot: the next update is a base")
+            if in_place and decoded:  # the copy holds the update, verified: a retry fetches nothing
+                self._state, self._held = state, target
+            elif in_place and meter.wrote_out:
+                self._state = self._held = None
+                log.warning("delta-swap: the copy of the weights holds no verified snapshot: the next update is a base")
             raise
         self._state_in_copy = copy is not None
-        self._state, self._current = state, target
+        self._state, self._held, self._current = state, target, target
         self._remember(target)
         self._last_timings = timings
         self._last_path = [m.snapshot_id for m in path]
@@ -431,10 +440,14 @@ class Subscriber:
         )
 
     async def _plan(self, newest: Manifest, force_base: bool) -> list[Manifest]:
-        """Snapshots to apply, oldest first, ending at the newest reachable one (from a base when
-        the served weights are not held decoded)."""
-        current = None if force_base or self._state is None else self._current
+        """Snapshots to apply to the decoded weights, oldest first, ending at the newest reachable
+        one (from a base when no weights are held decoded; none when they hold the newest)."""
+        current = None if force_base or self._state is None else self._held
+        if current is not None and newest.step < current.step:  # a failed swap's update, past the newest
+            current = None
         current_id = current.snapshot_id if current is not None else None
+        if current_id == newest.snapshot_id:
+            return []
         candidates = [newest]
         last_error: ChainError | None = None
         while candidates:

@@ -13,7 +13,7 @@ import json
 import numpy as np
 import pytest
 
-from delta_swap import store_keys
+from delta_swap import rebuild, store_keys
 from delta_swap.errors import SwapUndoneError
 from delta_swap.publisher import Publisher, PublisherConfig
 from delta_swap.safetensors_io import read_safetensors
@@ -340,7 +340,6 @@ async def test_a_large_base_streams_into_the_arena_piece_by_piece(tmp_path, monk
     """With arenas, shards larger than a piece are read in contiguous pieces and written straight
     into the arena (no read larger than a piece), bit-exact; the second arena is only made once
     the engine computes from the first."""
-    from delta_swap import rebuild
     from delta_swap.stores import open_store
 
     monkeypatch.setattr(rebuild, "STREAM_PIECE_BYTES", 1000)
@@ -431,31 +430,57 @@ async def test_an_engine_that_copies_updates_gets_them_decoded_in_place_into_one
 
 async def test_a_failed_swap_after_an_in_place_decode_rolls_back_from_the_store(tmp_path) -> None:
     """The copy holds the failed update's weights: the rollback rebuilds the served step from the
-    store, the engine serves it again, and the next update starts from a base."""
-    steps = rl_steps(3)
+    store and the engine serves it again. The retry fetches nothing (the copy holds the update,
+    verified); a newer step after another failure is fetched from the update the copy holds, and
+    the engine gets every tensor changed since the step it serves."""
+    steps = rl_steps(5)
     store, _staging, engine, sub = await _copying_server(tmp_path, steps, 2)
-    _publish(store, steps[2:], start=2, base_every=100)
+    _publish(store, steps[2:3], start=2, base_every=100)
     engine.fail_next_swap = True
     assert not await sub.sync()
     st = sub.status()
     assert st["current_step"] == 1 and "engine refused" in st["last_error"], st
     assert engine.version == "step-0000000001" and engine.calls[-2:] == ["swap:step-0000000001", "resume"]
     assert_state_equal(engine.weights, steps[1])
-    assert await sub.sync() and sub.current.step == 2
-    assert sub.status()["last_update_path"][0] == "step-0000000000"  # from the base: the copy was decoded over
+    shards = {shard: shard.read_bytes() for shard in (store / "snapshots").glob("*/shard-*")}
+    for shard in shards:  # the retry needs no byte of the store
+        shard.unlink()
+    assert await sub.sync() and sub.current.step == 2, sub.status()
+    assert sub.status()["last_update_path"] == []
+    for shard, data in shards.items():
+        shard.write_bytes(data)
     assert_state_equal(engine.weights, steps[2])
+
+    _publish(store, steps[3:4], start=3, base_every=100)  # a delta on step 2 (the publisher keeps its head)
+    engine.fail_next_swap = True
+    assert not await sub.sync() and sub.current.step == 2
+    _publish(store, steps[4:5], start=4, base_every=100)
+    assert await sub.sync() and sub.current.step == 4
+    assert sub.status()["last_update_path"] == ["step-0000000004"]
+    assert_state_equal(engine.weights, steps[4])
     await sub.stop()
 
 
-async def test_a_fetch_that_fails_before_decoding_keeps_the_copy_and_the_next_update_a_delta(tmp_path) -> None:
-    """A store error before anything is written leaves the copy holding the served weights."""
+@pytest.mark.parametrize("fault", ["missing", "corrupt", "corrupt-streamed"])
+async def test_a_delta_that_fails_before_decoding_keeps_the_copy_and_the_next_update_a_delta(
+    tmp_path, monkeypatch, fault
+) -> None:
+    """A missing delta shard, or one that fails its digest (whole, or streamed in pieces: a delta
+    shard's pieces are held back until the whole shard is verified), leaves the copy holding the
+    served weights: once the store is mended, the next update fetches the delta alone, not the base."""
+    if fault == "corrupt-streamed":
+        monkeypatch.setattr(rebuild, "STREAM_PIECE_BYTES", 1000)
     steps = rl_steps(3)
     store, _staging, _engine, sub = await _copying_server(tmp_path, steps, 2)
     _publish(store, steps[2:], start=2, base_every=100)
-    shard = next((store / "snapshots" / "step-0000000002").glob("shard-*"))
+    [shard] = (store / "snapshots" / "step-0000000002").glob("shard-*")
     kept = shard.read_bytes()
-    shard.unlink()
-    assert not await sub.sync() and "NotFoundError" in sub.status()["last_error"]
+    if fault == "missing":
+        shard.unlink()
+    else:
+        shard.write_bytes(kept[:-1] + bytes([kept[-1] ^ 1]))
+    error = "NotFoundError" if fault == "missing" else "ChecksumMismatchError"
+    assert not await sub.sync() and error in sub.status()["last_error"], sub.status()
     shard.write_bytes(kept)
     assert await sub.sync() and sub.current.step == 2
     assert sub.status()["last_update_path"] == ["step-0000000002"]
