@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import re
 import time
 from collections.abc import Mapping, Sequence
@@ -57,7 +56,7 @@ from delta_swap.staged_swap import (
     injected_swap_failure,
     merge_staged,
 )
-from delta_swap.staging_files import staging_file, until_staged, write_tensors
+from delta_swap.staging_files import StagedTensors, stage_tensors, staging_file, until_staged
 from delta_swap.tensors import StateDict, TensorSpecs
 from delta_swap.verify_budget import VerifyBudget
 
@@ -68,23 +67,23 @@ log = logging.getLogger("vllm_delta_plugin")
 
 @dataclass(frozen=True)
 class StagedFile:
-    """A safetensors file in the staging folder and the tensors it holds."""
+    """An update's tensors in the staging folder, and the read-back's."""
 
-    path: str
-    names: list[str]
-    #: The file the post-swap verification reads: every tensor of the modules the update touches
-    #: (the same file when the update already holds them all, or when nothing is verified).
-    verify_path: str
-    verify_names: list[str]
+    update: StagedTensors
+    #: What the post-swap verification reads: every tensor of the modules the update touches (the
+    #: update's own tensors when they are all of them, or when nothing is verified).
+    check: StagedTensors
     #: Whether this swap is read back (``verify_swaps`` and its budget decide when staging).
     verify: bool = False
     #: The in-place path: the workers hold the changed elements (``stage_inplace``) of this file.
     inplace: bool = False
     #: The shadow path: the workers hold shadow modules built from this file (``stage_shadow``).
     shadow: bool = False
-    #: Whether the files are this staging's own (removed when it is dropped), not the subscriber's
-    #: copy of the weights (``WeightUpdate.state_file``).
-    owned: bool = True
+
+    def remove(self) -> None:
+        """Remove the files written for this staging (not the subscriber's copy of the weights)."""
+        self.update.remove()
+        self.check.remove()
 
 
 def packed_modules_of(vllm_config: Any) -> Mapping[str, Sequence[str]] | None:
@@ -252,31 +251,29 @@ class VllmAdapter(EngineAdapter):
             names = sorted(update.state)
         else:
             names = sorted(complete_modules(update.names, self._groups, self.packed) & update.state.keys())
-        # The subscriber's copy holds every tensor: the workers read the update from it.
-        owned = update.state_file is None
-        path = staging_file(self.settings.staging_dir, f"update-{update.version}") if owned else update.state_file
-        assert path is not None
-
         # What the verification compares with: whole modules, computed apart from the completion above
-        # (so a completion that missed a tensor is caught); the same file whenever they agree.
-        check, check_path, verify = names, path, self.verify_budget.due()
-        if verify:
-            check = tensors_of_modules(names, update.state, self.packed or {})
-            check_path = path if check == names or not owned else path.replace(".safetensors", ".verify.safetensors")
-
-        def write() -> None:
-            for file, tensors in {path: names, check_path: check}.items():
-                write_tensors(file, update.state, tensors)
-
-        if owned:
-            await asyncio.to_thread(write)
-        staged = StagedFile(
-            path, names, check_path, check, verify, inplace=self.inplace, shadow=self.shadow, owned=owned
+        # (so a completion that missed a tensor is caught); the update's own tensors whenever they agree.
+        # Both come from the subscriber's copy of the weights where there is one (it holds every tensor).
+        verify = self.verify_budget.due()
+        check_names = sorted(tensors_of_modules(names, update.state, self.packed or {})) if verify else names
+        stage_dir, state_file = self.settings.staging_dir, update.state_file
+        tensors = await asyncio.to_thread(
+            stage_tensors, stage_dir, f"update-{update.version}", state_file, update.state, names
         )
+        check = tensors
+        if check_names != tensors.names:
+            try:
+                check = await asyncio.to_thread(
+                    stage_tensors, stage_dir, "check", state_file, update.state, check_names
+                )
+            except BaseException:
+                tensors.remove()
+                raise
+        staged = StagedFile(tensors, check, verify, inplace=self.inplace, shadow=self.shadow)
         if staged.inplace or staged.shadow:
             try:
                 fallback = await self._stage_on_workers(
-                    "stage_inplace" if staged.inplace else "stage_shadow", path, names
+                    "stage_inplace" if staged.inplace else "stage_shadow", tensors.path, tensors.names
                 )
             except BaseException:
                 await self.unstage(staged)
@@ -310,8 +307,7 @@ class VllmAdapter(EngineAdapter):
 
     async def unstage(self, staged: StagedFile | Arena) -> None:
         if isinstance(staged, StagedFile):
-            for file in {staged.path, staged.verify_path} if staged.owned else ():
-                os.unlink(file)
+            staged.remove()
             if staged.inplace or staged.shadow:  # the workers drop what they staged and the undo
                 await self._call({"op": "drop_staged"})
 
@@ -351,7 +347,7 @@ class VllmAdapter(EngineAdapter):
                 op = {"op": "scatter" if staged.inplace else "switch", "fail_after": fail_after}
                 await self._apply(staged, {**op, "fail_rank": -1 if fail_rank is None else fail_rank}, answered=True)
             else:
-                await self._apply(staged, {"op": "load", "path": staged.path, "names": staged.names})
+                await self._apply(staged, {"op": "load", "path": staged.update.path, "names": staged.update.names})
             if update.version is not None:
                 await self.engine.update_weight_version(update.version)
         # No new request may reuse KV computed with the old weights: drop the prefix cache. Requests
@@ -370,9 +366,9 @@ class VllmAdapter(EngineAdapter):
         reading back what they then compute with when verification is due (raises on any
         difference), in one weight-update call; the time goes to the verify budget. ``answered``:
         the op always answers through a result file (its errors come back that way)."""
-        started, check_s, output = time.perf_counter(), None, f"{staged.path}.{info['op']}.json"
+        started, check_s, output = time.perf_counter(), None, f"{staged.update.path}.{info['op']}.json"
         if staged.verify:
-            info = {**info, "verify_path": staged.verify_path, "verify_names": staged.verify_names}
+            info = {**info, "verify_path": staged.check.path, "verify_names": staged.check.names}
         if staged.verify or answered:
             try:
                 await self._call({**info, "output": output})
