@@ -389,7 +389,7 @@ class _ShardWriter:
             if t.offset + t.length > self.shard.size:
                 raise CorruptDataError(f"{what} ends before tensor {t.name}")
         self.digest.verify(self.shard.checksum, self.shard.sha256 if self.authenticated else None, what)
-        if is_delta_shard(self.shard.name):
+        if not self.direct:  # a delta shard
             check_delta_shard(self.head, what)
         payloads = self.spool.view()  # verified: now, and only now, the codec may read it
         self.meter.wrote_out = True
