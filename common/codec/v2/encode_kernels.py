@@ -21,18 +21,18 @@ def _key(x, sign, full):
 
 
 @kernel
-def enc_stats(u, v, mant_bits, exp_mask, row_len, n_rows, sign, full):
+def enc_stats(u, v, mant_bits, exp_mask, row_len, n_rows, row_step, sign, full):
     """Per exponent: elements (all rows), elements in changed rows, changes, |step|-1 histogram,
-    overflow bits; per row: whether it changed."""
+    overflow bits; counted on every ``row_step``-th row and scaled by ``row_step`` (an estimate of
+    every row's counts; exact for 1)."""
     E = exp_mask + 1
     ne = np.zeros((2, E), np.int64)  # two counters per exponent: alternate elements do not wait on each other
     ne_dead = np.zeros(E, np.int64)
     ke = np.zeros(E, np.int64)
     hist = np.zeros((E, HIST_BINS), np.int64)
     ovf_bits = np.zeros(E, np.int64)
-    row_alive = np.zeros(n_rows, np.uint8)
     n = u.size
-    for r in range(n_rows):
+    for r in range(0, n_rows, row_step):
         s = r * row_len
         e_ = min(s + row_len, n)
         same = 0
@@ -43,7 +43,6 @@ def enc_stats(u, v, mant_bits, exp_mask, row_len, n_rows, sign, full):
             for i in range(s, e_):
                 ne_dead[(np.int64(u[i]) >> mant_bits) & exp_mask] += 1
             continue
-        row_alive[r] = 1
         for i in range(s, e_):  # the changes: a few percent of a row
             x = u[i]
             y = v[i]
@@ -58,7 +57,13 @@ def enc_stats(u, v, mant_bits, exp_mask, row_len, n_rows, sign, full):
                     hist[e, HIST_BINS - 1] += 1
                     ovf_bits[e] += bitlen(mg)
     ne_all = ne[0] + ne[1]
-    return ne_all, ne_all - ne_dead, ke, hist, ovf_bits, row_alive
+    if row_step > 1:
+        ne_all *= row_step
+        ne_dead *= row_step
+        ke *= row_step
+        hist *= row_step
+        ovf_bits *= row_step
+    return ne_all, ne_all - ne_dead, ke, hist, ovf_bits
 
 
 @inline
@@ -179,66 +184,163 @@ def plan_classes(exps, ne, ke, hist, ovf_bits, class_bits, max_span):
 
 @kernel
 def enc_walk(
-    u, v, lut, row_alive, row_len, mant_bits, dense, ev_off, val_off, ev_out, val_out, at_out, slot_out, sign, full
+    u,
+    v,
+    lut,
+    dense,
+    row_len,
+    n_rows,
+    mant_bits,
+    skip_dead,
+    sign,
+    full,
+    ev_buf,
+    ev_cls,
+    val_buf,
+    val_cls,
+    at_out,
+    row_alive,
+    walked,
 ):
-    """Collect per class (in natural order, skipping dead rows) the event gaps and signed steps;
-    and per change, in natural order, its position (``at_out``) and its index in ``val_out``."""
-    K1 = ev_off.size
-    j = 0
-    rank = np.zeros(K1, np.int64)
+    """One pass over the elements: per row whether it changed (``row_alive``); the rows walked
+    (every row, or the changed ones with ``skip_dead``) give, in natural order, each class's event
+    gaps and signed steps with their class (``ev_cls``, ``val_cls``), each change's position
+    (``at_out``), and per class its elements walked (``walked``; class K = ``walked.size - 1``:
+    the elements of no class). Returns (events, changes); -1 when a buffer is full, -2 when a
+    change falls in no class (the plan missed its exponent)."""
+    K1 = walked.size
+    K = K1 - 1
     last = np.full(K1, -1, np.int64)
-    evp = ev_off.copy()
-    vp = val_off.copy()
+    walked[:] = 0
+    ne = 0
+    nv = 0
     n = u.size
-    for r in range(row_alive.size):
-        if not row_alive[r]:
-            continue
+    for r in range(n_rows):
         s = r * row_len
         e_ = min(s + row_len, n)
+        i = s
+        while i < e_ and u[i] == v[i]:
+            i += 1
+        row_alive[r] = i < e_
+        if skip_dead and i == e_:
+            continue
         i = s
         while i < e_:
             while i < e_ and u[i] == v[i]:  # a run of unchanged elements of sparse classes: no events
                 c = lut[np.int64(u[i]) >> mant_bits]
                 if dense[c]:
                     break
-                rank[c] += 1
+                walked[c] += 1
                 i += 1
             if i == e_:
                 break
             x = u[i]
             y = v[i]
             c = lut[np.int64(x) >> mant_bits]
-            rk = rank[c]
-            rank[c] = rk + 1
+            rk = walked[c]
+            walked[c] = rk + 1
             if x != y:
+                if c == K:
+                    return -2, -2
+                if nv >= val_buf.size:
+                    return -1, -1
                 if not dense[c]:
-                    ev_out[evp[c]] = rk - last[c] - 1
+                    if ne >= ev_buf.size:
+                        return -1, -1
+                    ev_buf[ne] = rk - last[c] - 1
+                    ev_cls[ne] = c
+                    ne += 1
                     last[c] = rk
-                    evp[c] += 1
-                val_out[vp[c]] = _key(y, sign, full) - _key(x, sign, full)
-                at_out[j] = i
-                slot_out[j] = vp[c]
-                j += 1
-                vp[c] += 1
+                val_buf[nv] = _key(y, sign, full) - _key(x, sign, full)
+                val_cls[nv] = c
+                at_out[nv] = i
+                nv += 1
             elif dense[c]:
-                ev_out[evp[c]] = rk - last[c] - 1
+                if ne >= ev_buf.size:
+                    return -1, -1
+                ev_buf[ne] = rk - last[c] - 1
+                ev_cls[ne] = c
+                ne += 1
                 last[c] = rk
-                evp[c] += 1
             i += 1
-    return evp, vp
+    return ne, nv
+
+
+@kernel
+def by_class(buf, cls, count, n_classes, out, slot):
+    """``buf[:count]`` grouped by class (``cls``), in order within each class, into ``out``;
+    ``slot[j]``: where entry j went. Returns each class's count."""
+    counts = np.zeros(n_classes, np.int64)
+    for j in range(count):
+        counts[cls[j]] += 1
+    at = np.zeros(n_classes, np.int64)
+    for c in range(1, n_classes):
+        at[c] = at[c - 1] + counts[c - 1]
+    for j in range(count):
+        c = cls[j]
+        out[at[c]] = buf[j]
+        slot[j] = at[c]
+        at[c] += 1
+    return counts
+
+
+@kernel
+def changes_by_position(at, slot, vals, row_len):
+    """Per change in element order (``at``: its position, ``slot``: its index in ``vals``): its
+    row, its column and whether its step is negative (no division: the rows only grow)."""
+    rows = np.empty(at.size, np.int64)
+    cols = np.empty(at.size, np.int64)
+    negative = np.empty(at.size, np.bool_)
+    r = 0
+    s = 0
+    for j in range(at.size):
+        while at[j] >= s + row_len:
+            s += row_len
+            r += 1
+        rows[j] = r
+        cols[j] = at[j] - s
+        negative[j] = vals[slot[j]] < 0
+    return rows, cols, negative
+
+
+@kernel
+def flip_bits(vals, slot, predicted):
+    """The flips of ``vals`` against a sign model's ``predicted`` negative steps (per change in
+    element order; ``slot``: its index in ``vals``), packed 8 to a byte in ``vals`` order, LSB
+    first, and the histogram of their 4-bit groups; ``vals`` is negated in place where the
+    prediction is negative (what the decoder negates back)."""
+    n = vals.size
+    for j in range(slot.size):
+        if predicted[j]:
+            vals[slot[j]] = -vals[slot[j]]
+    out = np.zeros((n + 7) // 8, np.uint8)
+    for i in range(n):
+        out[i >> 3] |= np.uint8(vals[i] < 0) << np.uint8(i & 7)
+    groups = np.zeros(16, np.int64)
+    for b in out:
+        groups[b & 15] += 1
+        groups[b >> 4] += 1
+    return out, groups
+
+
+#: golomb_best_m costs its candidates on at most about this many of the values (evenly spread):
+#: the cost is flat near its minimum, so a sample picks the same parameter or a neighbour.
+GOLOMB_SAMPLE = 1 << 12
 
 
 @kernel
 def golomb_best_m(g, m_hint):
-    """The Golomb parameter (among a few around the hint) that codes g in the fewest bits."""
+    """The Golomb parameter (among a few around the hint) that codes g in the fewest bits, costed on
+    at most about GOLOMB_SAMPLE of its values; and its bits on those values."""
+    step = max(1, g.size // GOLOMB_SAMPLE)
     best = -1
     best_m = 1
     for f in (0.5, 0.7, 0.85, 1.0, 1.15, 1.3, 1.6):
         m = max(1, int(m_hint * f + 0.5))
         b, cut = golomb_params(m)
         L = 0
-        for x in g:
-            L += golomb_len(x, m, b, cut)
+        for i in range(0, g.size, step):
+            L += golomb_len(g[i], m, b, cut)
         if best < 0 or L < best:
             best, best_m = L, m
     return best_m, best

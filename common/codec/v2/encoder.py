@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ...dtypes import DTYPE_SIZES
@@ -10,8 +12,11 @@ from ...errors import ConfigError
 from ..inputs import raw_bytes
 from . import sign_model
 from .encode_kernels import (
+    by_class,
+    changes_by_position,
     enc_stats,
     enc_walk,
+    flip_bits,
     flip_byte_freqs,
     golomb_best_m,
     magnitude_code,
@@ -52,6 +57,11 @@ FULL_TRY_BELOW = 4
 #: plans 1.1x as fast as 25 for payloads 0.1-0.3% smaller and the same rebuild speed (4 gives no
 #: more; benchmarks/README.md, "Encoder levels").
 MAX_CLASS_SPAN = 8
+#: A matrix of at least SAMPLE_MIN_ROWS rows is planned from every SAMPLE_STEP-th row: the class
+#: plan needs only the shares of elements, changes and steps per exponent, and the walk that
+#: collects the codes counts every class exactly (benchmarks/README.md, "Encoder levels").
+SAMPLE_MIN_ROWS = 64
+SAMPLE_STEP = 8
 
 
 #: Tensors of at least twice this many elements are encoded in parts of about this many (whole
@@ -162,22 +172,17 @@ def _sign_section(
     raw = np.packbits(vals < 0, bitorder="little").tobytes()
     if not shape or len(shape) < 2 or n_rows < 2 or vals.size < sign_model.MIN_CHANGES:  # one row: no model
         return 0, raw
-    rows, cols = np.divmod(at, row_len)
-    fitted = sign_model.fit((n_rows, row_len), rows, cols, vals[slot] < 0)
+    rows, cols, negative = changes_by_position(at, slot, vals, row_len)
+    fitted = sign_model.fit((n_rows, row_len), rows, cols, negative)
     if fitted is None:
         return 0, raw
     model, predicted = fitted
-    predicted_by_value = np.empty(vals.size, np.bool_)
-    predicted_by_value[slot] = predicted
-    stored = np.where(predicted_by_value, -vals, vals)
-    flips = np.zeros((stored.size + 7) // 8 * 8, np.uint8)
-    flips[: stored.size] = stored < 0
-    nibbles = flips[0::4] | flips[1::4] << 1 | flips[2::4] << 2 | flips[3::4] << 3
-    f4 = quantize_freqs(np.bincount(nibbles, minlength=16))
+    stored = vals.copy()
+    syms, groups = flip_bits(stored, slot, predicted)
+    f4 = quantize_freqs(groups)
     f8 = flip_byte_freqs(f4)
     if f8.size == 0:
         return 0, raw
-    syms = np.packbits(flips, bitorder="little")
     buf = np.zeros(syms.size + 8, np.uint16)
     section = model.to_bytes() + b"".join(varint(int(f)) for f in f4)
     for k in range(FLIP_STREAMS):
@@ -188,6 +193,140 @@ def _sign_section(
         return 0, raw
     vals[:] = stored
     return FLAG_SIGN_MODEL, section
+
+
+@dataclass
+class _Plan:
+    """The classes of a ULP payload: (lo, hi, dense) exponent ranges, whether dead rows are listed
+    (0: no; 1: the dead ones; 2: the changed ones), and how many changes and events to expect."""
+
+    classes: list[tuple[int, int, bool]]
+    row_mode: int
+    expected: int
+    sampled: bool
+
+
+def _plan(
+    u: np.ndarray,
+    v: np.ndarray,
+    mant_bits: int,
+    E: int,
+    row_len: int,
+    n_rows: int,
+    sign: int,
+    full: int,
+    class_cost: float,
+) -> _Plan:
+    """The class plan: a dynamic program over the exponents' statistics, with and without the
+    dead-rows filter (a large matrix's statistics come from every SAMPLE_STEP-th row)."""
+    step = SAMPLE_STEP if n_rows >= SAMPLE_MIN_ROWS else 1
+    ne, ne_alive, ke, hist, ovf_bits = enc_stats(u, v, mant_bits, E - 1, row_len, n_rows, step, sign, full)
+    if step > 1 and not ke.any():  # no change in the sample: plan from every row
+        step = 1
+        ne, ne_alive, ke, hist, ovf_bits = enc_stats(u, v, mant_bits, E - 1, row_len, n_rows, step, sign, full)
+    est_changed = int(ke.sum())
+    exps = np.flatnonzero(ne).astype(np.int64)
+    class_bits = class_cost * est_changed
+    cost, arg = plan_classes(exps, ne, ke, hist, ovf_bits, class_bits, MAX_CLASS_SPAN)
+    ne_used = ne
+    row_mode = 0
+    est_alive = round(int(ne_alive.sum()) / row_len)  # rows that changed (exact unless sampled)
+    if n_rows > 1 and est_alive < n_rows:
+        exps_a = np.flatnonzero(ne_alive).astype(np.int64)
+        cost1, arg1 = plan_classes(exps_a, ne_alive, ke, hist, ovf_bits, class_bits, MAX_CLASS_SPAN)
+        minority = min(est_alive, n_rows - est_alive)
+        cost1 += _h2bits_py(n_rows, minority) + 0.04 * minority + 24
+        if cost1 < cost:
+            row_mode = 1 if (n_rows - est_alive) <= est_alive else 2
+            exps, arg, ne_used = exps_a, arg1, ne_alive
+    classes = []  # the segments that have changes
+    for i, j in _segments(exps, arg):
+        es = exps[i:j]
+        k = int(ke[es].sum())
+        if k:
+            classes.append((int(es[0]), int(es[-1]), k > int(ne_used[es].sum()) - k))
+    if step > 1:  # rows outside the sample may hold any exponent: the classes cover every one
+        classes = [
+            (0 if c == 0 else classes[c - 1][1] + 1, E - 1 if c == len(classes) - 1 else hi, dense)
+            for c, (_lo, hi, dense) in enumerate(classes)
+        ]
+    expected = est_changed
+    for lo, hi, dense in classes:
+        if dense:  # its events are its unchanged elements
+            expected = max(expected, int(ne_used[lo : hi + 1].sum()) - int(ke[lo : hi + 1].sum()))
+    return _Plan(classes, row_mode, expected, step > 1)
+
+
+@dataclass
+class _Codes:
+    """What the walk collected, grouped by class: event gaps, signed steps (with offsets and counts
+    per class), and per change in element order its position and its index in ``vals``."""
+
+    classes: list[tuple[int, int, int, int]]  # (lo, hi, elements, changes) of each written class
+    dense: np.ndarray
+    ev: np.ndarray
+    ev_off: np.ndarray
+    n_events: np.ndarray
+    vals: np.ndarray
+    val_off: np.ndarray
+    n_class_changes: np.ndarray
+    at: np.ndarray
+    slot: np.ndarray
+    row_alive: np.ndarray
+
+
+def _collect(
+    u: np.ndarray, v: np.ndarray, plan: _Plan, mant_bits: int, E: int, row_len: int, n_rows: int, sign: int, full: int
+) -> _Codes:
+    """One walk over the elements, counting every class exactly (buffers sized from the plan's
+    estimate, grown when a sampled plan expected too few), then the codes grouped by class."""
+    K = len(plan.classes)
+    lut_e = np.full(E, K, np.int64)
+    dense = np.zeros(K + 1, np.bool_)
+    for c, (lo, hi, d) in enumerate(plan.classes):
+        lut_e[lo : hi + 1] = c
+        dense[c] = d
+    lut = np.concatenate([lut_e, lut_e])  # indexed with the sign bit
+    n = u.size
+    row_alive = np.zeros(n_rows, np.uint8)
+    walked = np.zeros(K + 1, np.int64)
+    cap = min(n, plan.expected + plan.expected // 4 + 4096) if plan.sampled else plan.expected
+    while True:
+        ev_buf, val_buf, at = np.empty(cap, np.int64), np.empty(cap, np.int64), np.empty(cap, np.int64)
+        ev_cls, val_cls = np.empty(cap, np.uint16), np.empty(cap, np.uint16)  # K <= 256 classes
+        n_ev, n_changed = enc_walk(
+            u, v, lut, dense, row_len, n_rows, mant_bits, plan.row_mode != 0, sign, full,
+            ev_buf, ev_cls, val_buf, val_cls, at, row_alive, walked,
+        )  # fmt: skip
+        if n_ev == -1 and cap < n:
+            cap = min(n, 4 * cap)  # more changes or events than the sample let expect
+            continue
+        if n_ev < 0:
+            raise AssertionError(f"codec v2 encoder: a change outside the class plan ({n_ev})")
+        break
+    ev = np.empty(n_ev, np.int64)
+    vals = np.empty(n_changed, np.int64)
+    slot = np.empty(n_changed, np.int64)
+    n_events = by_class(ev_buf, ev_cls, n_ev, K, ev, np.empty(n_ev, np.int64))
+    n_class_changes = by_class(val_buf, val_cls, n_changed, K, vals, slot)
+    ev_off = np.concatenate([[0], np.cumsum(n_events)[:-1]]).astype(np.int64)
+    val_off = np.concatenate([[0], np.cumsum(n_class_changes)[:-1]]).astype(np.int64)
+    # every class has a change (the sample's rows are walked too); one without would be left out
+    keep = np.flatnonzero(n_class_changes)
+    classes = [(plan.classes[c][0], plan.classes[c][1], int(walked[c]), int(n_class_changes[c])) for c in keep]
+    return _Codes(
+        classes,
+        dense[keep],
+        ev,
+        ev_off[keep],
+        n_events[keep],
+        vals,
+        val_off[keep],
+        n_class_changes[keep],
+        at[:n_changed],
+        slot,
+        row_alive,
+    )
 
 
 def _encode_ulp(
@@ -209,72 +348,17 @@ def _encode_ulp(
         row_len = int(shape[-1])
     row_len = max(1, row_len)
     n_rows = (n + row_len - 1) // row_len if n else 0
-    ne, ne_alive, ke, hist, ovf_bits, row_alive = enc_stats(u, v, mant_bits, E - 1, row_len, n_rows, sign, full)
-    n_changed = int(ke.sum())
-
-    # class plans without and with the dead-rows filter
-    exps = np.flatnonzero(ne).astype(np.int64)
-    class_bits = class_cost * n_changed
-    cost, arg = plan_classes(exps, ne, ke, hist, ovf_bits, class_bits, MAX_CLASS_SPAN)
-    ne_used = ne
-    n_alive = int(row_alive.sum())
-    row_mode = 0
-    if n_rows > 1 and n_alive < n_rows:
-        exps_a = np.flatnonzero(ne_alive).astype(np.int64)
-        cost1, arg1 = plan_classes(exps_a, ne_alive, ke, hist, ovf_bits, class_bits, MAX_CLASS_SPAN)
-        minority = min(n_alive, n_rows - n_alive)
-        cost1 += _h2bits_py(n_rows, minority) + 0.04 * minority + 24
-        if cost1 < cost:
-            row_mode = 1 if (n_rows - n_alive) <= n_alive else 2
-            exps, arg, ne_used = exps_a, arg1, ne_alive
-    if row_mode == 0:
-        row_alive = np.ones(n_rows, np.uint8)
-
-    classes = []  # (lo, hi, elements, changes) of the segments that have changes
-    for i, j in _segments(exps, arg):
-        es = exps[i:j]
-        k = int(ke[es].sum())
-        if k:
-            classes.append((int(es[0]), int(es[-1]), int(ne_used[es].sum()), k))
+    plan = _plan(u, v, mant_bits, E, row_len, n_rows, sign, full, class_cost)
+    codes = _collect(u, v, plan, mant_bits, E, row_len, n_rows, sign, full)
+    row_mode, classes, dense = plan.row_mode, codes.classes, codes.dense
+    ev, ev_off, n_events = codes.ev, codes.ev_off, codes.n_events
+    vals, val_off, n_class_changes = codes.vals, codes.val_off, codes.n_class_changes
     K = len(classes)
-    lut_e = np.full(E, K, np.int64)
-    dense = np.zeros(K + 1, np.bool_)
-    n_events = np.zeros(K, np.int64)
-    n_class_changes = np.zeros(K, np.int64)
-    for c, (lo, hi, nn, k) in enumerate(classes):
-        lut_e[lo : hi + 1] = c
-        dense[c] = k > nn - k
-        n_events[c] = nn - k if dense[c] else k
-        n_class_changes[c] = k
-    lut = np.concatenate([lut_e, lut_e])
-    ev_off = np.concatenate([[0], np.cumsum(n_events)[:-1]]).astype(np.int64) if K else np.zeros(0, np.int64)
-    val_off = np.concatenate([[0], np.cumsum(n_class_changes)[:-1]]).astype(np.int64) if K else np.zeros(0, np.int64)
-    ev = np.empty(int(n_events.sum()), np.int64)
-    vals = np.empty(n_changed, np.int64)
-    at = np.empty(n_changed, np.int64)  # per change in natural order: its position, its index in vals
-    slot = np.empty(n_changed, np.int64)
-    if K:
-        enc_walk(
-            u,
-            v,
-            lut,
-            row_alive,
-            row_len,
-            mant_bits,
-            dense,
-            np.append(ev_off, 0),
-            np.append(val_off, 0),
-            ev,
-            vals,
-            at,
-            slot,
-            sign,
-            full,
-        )
+    n_changed = vals.size
     row_ev = np.zeros(0, np.int64)
     row_m = 1
     if row_mode:
-        rows = np.flatnonzero(row_alive == 0) if row_mode == 1 else np.flatnonzero(row_alive)
+        rows = np.flatnonzero(codes.row_alive == 0) if row_mode == 1 else np.flatnonzero(codes.row_alive)
         row_ev = (np.diff(rows, prepend=-1) - 1).astype(np.int64)
         row_m, _ = golomb_best_m(row_ev, max(1.0, 0.69 * row_ev.mean()) if row_ev.size else 1.0)
     # per-class Golomb parameters and magnitude coding
@@ -313,7 +397,7 @@ def _encode_ulp(
         buf, row_ev, row_m, ev, ev_off, n_events, cls_m, vals, val_off, n_class_changes, mag_mode, mag_m, mag_T
     )
     bits_bytes = buf.view(np.uint8)[: (nbits + 7) // 8].tobytes()
-    flags, signs = _sign_section(vals, at, slot, shape if predict_signs else None, row_len, n_rows)
+    flags, signs = _sign_section(vals, codes.at, codes.slot, shape if predict_signs else None, row_len, n_rows)
     rans_bytes = b""
     if tables:
         rbuf = np.zeros(vals.size * 2 + 8, np.uint16)

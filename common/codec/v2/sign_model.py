@@ -31,7 +31,7 @@ MIN_CHANGES = 4096  # fewer changes do not pay for the factors
 LEVEL_MAX = 255
 _OVERSAMPLE = 4
 _POWER_ITERATIONS = 1
-_REFINE_ROUNDS = 3
+_REFINE_STEPS = 4  # rows, columns, rows, columns
 
 
 @dataclass(frozen=True)
@@ -73,44 +73,56 @@ def _int_levels(levels: np.ndarray) -> np.ndarray:
     return np.clip(np.rint(LEVEL_MAX * levels / top), 1, LEVEL_MAX).astype(np.uint8)
 
 
-def _two_bit(x: np.ndarray) -> tuple[np.ndarray, float, float]:
+@kernel
+def _two_bit(x):
     """A factor vector as 2-bit codes (sign, above the median magnitude) and its two levels."""
     mag = np.abs(x)
-    cut = float(np.median(mag))
-    high = mag > cut
-    lo = float(mag[~high].mean()) if (~high).any() else cut
-    hi = float(mag[high].mean()) if high.any() else lo
-    return ((x < 0) | (high << 1)).astype(np.uint8), lo, hi
+    cut = np.median(mag)
+    codes = np.empty(x.size, np.uint8)
+    lo_sum, hi_sum, n_hi = 0.0, 0.0, 0
+    for i in range(x.size):
+        high = mag[i] > cut
+        codes[i] = (x[i] < 0) | (high << 1)
+        if high:
+            hi_sum += mag[i]
+            n_hi += 1
+        else:
+            lo_sum += mag[i]
+    n_lo = x.size - n_hi
+    lo = lo_sum / n_lo if n_lo else cut
+    hi = hi_sum / n_hi if n_hi else lo
+    return codes, lo, hi
 
 
 @kernel
-def _times(rows, cols, signs, x, n_out):
-    """S @ x for the sparse sign matrix S (entry ``signs[i]`` at (rows[i], cols[i])); S.T @ x with
-    rows and cols swapped."""
+def _times(rows, cols, negative, x, n_out):
+    """S @ x for the sparse sign matrix S (entry -1 where ``negative[i]``, else +1, at (rows[i],
+    cols[i])); S.T @ x with rows and cols swapped."""
     k = x.shape[1]
     out = np.zeros((n_out, k))
     for i in range(rows.size):
-        r, c, s = rows[i], cols[i], signs[i]
+        r, c = rows[i], cols[i]
+        s = 1.0 - 2.0 * negative[i]
         for t in range(k):
             out[r, t] += s * x[c, t]
     return out
 
 
 def _top_factors(
-    shape: tuple[int, int], rows: np.ndarray, cols: np.ndarray, signs: np.ndarray, rank: int
-) -> tuple[np.ndarray, np.ndarray, float]:
+    shape: tuple[int, int], rows: np.ndarray, cols: np.ndarray, negative: np.ndarray, rank: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Rank-``rank`` factors (u * sqrt(s), v * sqrt(s)) of the sparse sign matrix by a seeded
-    randomized SVD, and its top singular value; every product runs over the changes only."""
+    randomized SVD, and their singular values s; every product runs over the changes only."""
     n_rows, row_len = shape
     rng = np.random.default_rng(0)
-    q = _times(rows, cols, signs, rng.standard_normal((row_len, rank + _OVERSAMPLE)), n_rows)
+    q = _times(rows, cols, negative, rng.standard_normal((row_len, rank + _OVERSAMPLE)), n_rows)
     for _ in range(_POWER_ITERATIONS):
         q, _ = np.linalg.qr(q)
-        q = _times(rows, cols, signs, _times(cols, rows, signs, q, row_len), n_rows)
+        q = _times(rows, cols, negative, _times(cols, rows, negative, q, row_len), n_rows)
     q, _ = np.linalg.qr(q)
-    u, s, vt = np.linalg.svd(_times(cols, rows, signs, q, row_len).T, full_matrices=False)
+    u, s, vt = np.linalg.svd(_times(cols, rows, negative, q, row_len).T, full_matrices=False)
     root = np.sqrt(s[:rank])
-    return (q @ u[:, :rank]) * root, vt[:rank].T * root, float(s[0])
+    return (q @ u[:, :rank]) * root, vt[:rank].T * root, s[:rank]
 
 
 def _flip_bits(flips: int, n: int) -> float:
@@ -139,13 +151,24 @@ def _sign_balance(major, minor, minor_codes, negative, n_major, n_codes):
 
 
 @kernel
-def _column_balance(rows, cols, row_codes, negative, row_len, n_codes):
-    """(n_codes, row_len): per codes of the row and column, its negative changes minus its
-    positive ones (:func:`_sign_balance` of the columns, transposed: changes come row by row, so
-    a row's writes go to one contiguous line)."""
-    out = np.zeros((n_codes, row_len), np.int32)
-    for i in range(rows.size):
-        out[row_codes[rows[i]], cols[i]] += 2 * np.int32(negative[i]) - 1  # no branch: signs are coin flips
+def _most_agreeing(balance, agree):
+    """Per row i of ``balance``: the code x with the largest sum over k of balance[i, k] *
+    agree[k, x] (the first of equals, as numpy's argmax)."""
+    n_codes = agree.shape[1]
+    out = np.empty(balance.shape[0], np.int64)
+    acc = np.empty(n_codes, np.int32)
+    for i in range(balance.shape[0]):
+        acc[:] = 0
+        for k in range(balance.shape[1]):
+            b = balance[i, k]
+            if b != 0:
+                for x in range(n_codes):  # vectorises
+                    acc[x] += b * agree[k, x]
+        best = 0
+        for x in range(1, n_codes):
+            if acc[x] > acc[best]:
+                best = x
+        out[i] = best
     return out
 
 
@@ -162,22 +185,27 @@ def _predict(rows, cols, rc, cc, words):
 def _refine(model: SignModel, rows: np.ndarray, cols: np.ndarray, negative: np.ndarray) -> tuple[SignModel, np.ndarray]:
     """Better codes for the same levels: every row takes the codes that agree with most of its
     changes' signs given the columns' codes, then every column given the rows' (exact, through
-    the prediction table); a few rounds. Only the columns' codes need a start (the SVD's, which
+    the prediction table, in numba: numpy's products would run on BLAS threads, 30-50x slower
+    while other processes load the cores); a few rounds. Only the columns' codes need a start (the SVD's, which
     fits the signs' values, not their agreement). Returns the model and its predictions."""
     n_codes = 1 << (model.rank * model.bits)
     words = np.zeros(64, np.uint64)
     prediction_table(model.levels.reshape(-1), model.rank, model.bits, words)
-    table = ((words[:n_codes, None] >> np.arange(n_codes, dtype=np.uint64)) & np.uint64(1)).astype(np.float32)
+    table = ((words[:n_codes, None] >> np.arange(n_codes, dtype=np.uint64)) & np.uint64(1)).astype(np.int32)
+    by_column = np.ascontiguousarray(table.T)  # [y, x]: column codes y and row codes x predict a negative step
     rc, cc = _joined(model.row_codes, model.bits), _joined(model.col_codes, model.bits)
     n_rows, row_len = model.row_codes.shape[0], model.col_codes.shape[0]
     # agreement of codes x = (changes) + sum over the other side's codes y of balance[y] * T[x, y],
-    # up to a constant: one product gives every candidate code of every row (column) at once
-    for _ in range(_REFINE_ROUNDS):
-        rc_before, cc_before = rc, cc
-        rc = np.argmax(_sign_balance(rows, cols, cc, negative, n_rows, n_codes).astype(np.float32) @ table.T, axis=1)
-        cc = np.argmax(table.T @ _column_balance(rows, cols, rc, negative, row_len, n_codes).astype(np.float32), axis=0)
-        if np.array_equal(rc, rc_before) and np.array_equal(cc, cc_before):
-            break  # a fixed point: further rounds give the same codes
+    # up to a constant: every candidate code of every row (column) at once
+    for step in range(_REFINE_STEPS):
+        if step % 2 == 0:
+            rc_before, rc = rc, _most_agreeing(_sign_balance(rows, cols, cc, negative, n_rows, n_codes), by_column)
+            if step and np.array_equal(rc, rc_before):
+                break  # a fixed point: further steps give the same codes
+        else:
+            cc_before, cc = cc, _most_agreeing(_sign_balance(cols, rows, rc, negative, row_len, n_codes), table)
+            if np.array_equal(cc, cc_before):
+                break
     refined = SignModel(
         model.rank, model.bits, model.levels, _split(rc, model.rank, model.bits), _split(cc, model.rank, model.bits)
     )
@@ -187,7 +215,9 @@ def _refine(model: SignModel, rows: np.ndarray, cols: np.ndarray, negative: np.n
 def fit(
     shape: tuple[int, int], rows: np.ndarray, cols: np.ndarray, negative: np.ndarray
 ) -> tuple[SignModel, np.ndarray] | None:
-    """The cheapest sign model of a matrix's changes, or None when raw sign bits are cheaper.
+    """A sign model of a matrix's changes, or None when raw sign bits are cheaper: one factor of
+    one bit per entry where the signs show one pattern, else as many factors as the shape allows
+    (up to MAX_RANK) of two bits.
 
     ``shape`` is the matrix's (n_rows, row_len); ``rows`` and ``cols`` are the changed elements'
     coordinates, ``negative`` whether each step is negative. Returns the model and, per changed
@@ -196,37 +226,30 @@ def fit(
     n_rows, row_len = shape
     if n < MIN_CHANGES or row_len % ROW_ALIGN or n_rows < 2:
         return None
-    a, b, top = _top_factors(shape, rows, cols, np.where(negative, -1.0, 1.0), min(MAX_RANK, n_rows, row_len))
-    if top < np.sqrt(n / n_rows) + np.sqrt(n / row_len):
-        # Below the top singular value of random signs on the same changes: no pattern to predict
-        # (0.86-0.89 of it on random signs; >= 1.15 wherever a model paid on the RL corpora).
+    a, b, s = _top_factors(shape, rows, cols, negative, min(MAX_RANK, n_rows, row_len))
+    noise = np.sqrt(n / n_rows) + np.sqrt(n / row_len)  # the top singular value of random signs, about
+    if s[0] < noise:
+        # no pattern to predict (random signs on the same changes: 0.86-0.89 of it; >= 1.15
+        # wherever a model paid on the RL corpora)
         return None
-    no_rows = np.zeros((n_rows, 1), np.uint8)  # the refinement sets every row's codes first
-    candidates = [
-        _refine(
-            SignModel(1, 1, np.ones((1, 4), np.uint8), no_rows, (b[:, :1] < 0).astype(np.uint8)), rows, cols, negative
+    if s[1] < noise:  # one pattern: one bit per row and column
+        start = SignModel(
+            1, 1, np.ones((1, 4), np.uint8), np.zeros((n_rows, 1), np.uint8), (b[:, :1] < 0).astype(np.uint8)
         )
-    ]  # +-1 per row and column
-    rank = a.shape[1]  # with two bits per entry, the most factors win (measured: benchmarks/README.md)
-    if rank > 1:
+    else:  # two bits per entry, as many factors as the shape allows (benchmarks/README.md, "Predicted signs")
+        rank = a.shape[1]
         cc, lv = [], np.zeros((rank, 4))
         for t in range(rank):
             _, lv[t, 0], lv[t, 1] = _two_bit(a[:, t])
             code, lv[t, 2], lv[t, 3] = _two_bit(b[:, t])
             cc.append(code)
         levels = np.concatenate([_int_levels(lv[:, :2]), _int_levels(lv[:, 2:])], axis=1)
-        model = SignModel(rank, 2, levels, np.zeros((n_rows, rank), np.uint8), np.stack(cc, 1))
-        candidates.append(_refine(model, rows, cols, negative))
-    best, best_bits, best_pred = None, float(n), None
-    for model, pred in candidates:
-        bits = _flip_bits(int(np.count_nonzero(pred != negative)), n) + 8 * section_size(
-            n_rows, row_len, model.rank, model.bits
-        )
-        if bits < best_bits:
-            best, best_bits, best_pred = model, bits, pred
-    if best is None or best_pred is None or best_bits > n - 8 * 64:  # worth it if it saves 64 bytes
-        return None
-    return best, best_pred
+        start = SignModel(rank, 2, levels, np.zeros((n_rows, rank), np.uint8), np.stack(cc, 1))
+    model, predicted = _refine(start, rows, cols, negative)  # it sets every row's codes first
+    bits = _flip_bits(int(np.count_nonzero(predicted != negative)), n) + 8 * section_size(
+        n_rows, row_len, model.rank, model.bits
+    )
+    return None if bits > n - 8 * 64 else (model, predicted)  # a model must save 64 bytes
 
 
 @kernel
