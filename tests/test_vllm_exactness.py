@@ -19,6 +19,7 @@ from delta_swap.testing.engine_exactness import Chain, InjectedFailureTests, sta
 from examples.servers import vllm as vllm_server
 from examples.servers.process import Server
 from tests.support.exactness import TinyModelExactness
+from tests.support.vllm_cpu import vllm_int8_experts
 
 pytestmark = pytest.mark.engine
 
@@ -243,6 +244,12 @@ class TestQwen3MoeInt8Shadow(VllmExactness):
 
     family, swap_path = "qwen3_moe", "shadow"
     extra = ("--quantization", "int8_per_channel_weight_only")
+
+    @classmethod
+    def setup_class(cls) -> None:
+        why = vllm_int8_experts()
+        if why:
+            pytest.skip(why)
 
 
 @pytest.mark.full_matrix("int8 experts on the shadow path: TestQwen3MoeInt8Shadow; MoE reloaded: TestQwen2MoeReload")

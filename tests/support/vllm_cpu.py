@@ -28,3 +28,23 @@ def vllm_repacks_bf16_linears() -> bool:
     child process."""
     out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=300, check=True)
     return out.stdout.strip().splitlines()[-1] == "repacks"
+
+
+_INT8_EXPERTS_PROBE = """
+from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+kernels = [getattr(cpu_moe, name) for name in dir(cpu_moe) if name.endswith("ExpertsInt8")]
+print(" ".join(k.__name__ for k in kernels if k._supports_current_device()) or "none")
+"""
+
+
+@functools.cache
+def vllm_int8_experts() -> str | None:
+    """Why vLLM cannot serve MoE experts quantized to int8 (``--quantization
+    int8_per_channel_weight_only``) on this CPU, or None where one of its CPU int8 experts kernels
+    runs here (x86: AMX tiles; asked of vLLM's kernels themselves, in a child process)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _INT8_EXPERTS_PROBE], capture_output=True, text=True, timeout=300, check=True
+    )
+    if out.stdout.strip().splitlines()[-1] != "none":
+        return None
+    return "vLLM has no int8 MoE experts kernel for this CPU (its x86 one needs AMX tiles)"
