@@ -270,7 +270,7 @@ def test_plans_from_sampled_rows_still_code_every_change(rng, what: str) -> None
 
 def test_sampled_plans_cost_little_payload(rng, monkeypatch) -> None:
     """Planning from every SAMPLE_STEP-th row instead of every row gives nearly the same payload
-    on weight-like steps (measured on the RL corpora: 0.2-0.4% larger; benchmarks/README.md)."""
+    on weight-like steps (measured on the RL corpora: 0.2-0.5% larger; benchmarks/README.md)."""
     shape = (512, 1024)
     old, new = _weights(rng, "BF16", shape, 0.1, dead_rows=0.1, max_step=3)
     sampled = codec.encode_tensor_delta(old, new, "BF16", codec.CodecConfig(level=1), shape=shape)
