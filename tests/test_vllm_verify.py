@@ -75,8 +75,8 @@ def test_verification_catches_the_bug_a_reverted_fix_lets_through(family, fix, n
     }
     extra = ("--tensor-parallel-size", str(tp)) if tp > 1 else ()
     quantized = fix == "stale_quantized_experts"
-    if quantized and vllm_int8_experts():
-        pytest.skip(vllm_int8_experts())
+    if quantized and (why := vllm_int8_experts()):
+        pytest.skip(why)
     if quantized:
         extra = ("--quantization", "int8_per_channel_weight_only")
     settings = {

@@ -304,7 +304,7 @@ def changes_by_position(at, slot, vals, row_len):
 
 
 @kernel
-def flip_bits(vals, slot, predicted):
+def packed_flips(vals, slot, predicted):
     """The flips of ``vals`` against a sign model's ``predicted`` negative steps (per change in
     element order; ``slot``: its index in ``vals``), packed 8 to a byte in ``vals`` order, LSB
     first, and the histogram of their 4-bit groups; ``vals`` is negated in place where the

@@ -16,10 +16,10 @@ from .encode_kernels import (
     changes_by_position,
     enc_stats,
     enc_walk,
-    flip_bits,
     flip_byte_freqs,
     golomb_best_m,
     magnitude_code,
+    packed_flips,
     plan_classes,
     quantize_freqs,
     rans_encode,
@@ -178,7 +178,7 @@ def _sign_section(
         return 0, raw
     model, predicted = fitted
     stored = vals.copy()
-    syms, groups = flip_bits(stored, slot, predicted)
+    syms, groups = packed_flips(stored, slot, predicted)
     f4 = quantize_freqs(groups)
     f8 = flip_byte_freqs(f4)
     if f8.size == 0:
@@ -309,23 +309,13 @@ def _collect(
     slot = np.empty(n_changed, np.int64)
     n_events = by_class(ev_buf, ev_cls, n_ev, K, ev, np.empty(n_ev, np.int64))
     n_class_changes = by_class(val_buf, val_cls, n_changed, K, vals, slot)
-    ev_off = np.concatenate([[0], np.cumsum(n_events)[:-1]]).astype(np.int64)
-    val_off = np.concatenate([[0], np.cumsum(n_class_changes)[:-1]]).astype(np.int64)
-    # every class has a change (the sample's rows are walked too); one without would be left out
-    keep = np.flatnonzero(n_class_changes)
-    classes = [(plan.classes[c][0], plan.classes[c][1], int(walked[c]), int(n_class_changes[c])) for c in keep]
+    ev_off = np.cumsum(n_events) - n_events  # each class's first index
+    val_off = np.cumsum(n_class_changes) - n_class_changes
+    if not n_class_changes.all():  # each planned class has a change of a walked (sampled) row
+        raise AssertionError("codec v2 encoder: a planned class without a change")
+    classes = [(lo, hi, int(walked[c]), int(n_class_changes[c])) for c, (lo, hi, _) in enumerate(plan.classes)]
     return _Codes(
-        classes,
-        dense[keep],
-        ev,
-        ev_off[keep],
-        n_events[keep],
-        vals,
-        val_off[keep],
-        n_class_changes[keep],
-        at[:n_changed],
-        slot,
-        row_alive,
+        classes, dense[:K], ev, ev_off, n_events, vals, val_off, n_class_changes, at[:n_changed], slot, row_alive
     )
 
 

@@ -165,7 +165,7 @@ def _most_agreeing(balance, agree):
         for k in range(balance.shape[1]):
             b = balance[i, k]
             if b != 0:
-                for x in range(n_codes):  # vectorises
+                for x in range(n_codes):
                     acc[x] += b * agree[k, x]
         best = 0
         for x in range(1, n_codes):
@@ -189,8 +189,9 @@ def _refine(model: SignModel, rows: np.ndarray, cols: np.ndarray, negative: np.n
     """Better codes for the same levels: every row takes the codes that agree with most of its
     changes' signs given the columns' codes, then every column given the rows' (exact, through
     the prediction table, in numba: numpy's products would run on BLAS threads, 30-50x slower
-    while other processes load the cores); a few rounds. Only the columns' codes need a start (the SVD's, which
-    fits the signs' values, not their agreement). Returns the model and its predictions."""
+    while other processes load the cores); a few rounds. Only the columns' codes need a start
+    (the SVD's, which fits the signs' values, not their agreement). Returns the model and its
+    predictions."""
     n_codes = 1 << (model.rank * model.bits)
     words = np.zeros(64, np.uint64)
     prediction_table(model.levels.reshape(-1), model.rank, model.bits, words)
