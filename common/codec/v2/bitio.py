@@ -91,21 +91,21 @@ def golomb_params(m):
 
 
 @inline
-def put(buf, st, val, nb_):
-    """Append the low nb_ (<= 57) bits of val; st = [acc, nacc, wpos] (uint64)."""
+def put(buf, acc, nacc, w, val, nb_):
+    """Append the low nb_ (<= 57) bits of val to a writer whose state is (acc: the pending bits,
+    nacc: how many, w: the next word of buf); returns the new state. The state lives in locals,
+    not in an array: stores to buf (also uint64) would force the compiler to reload it."""
     if nb_ == 0:
-        return
+        return acc, nacc, w
     val = np.uint64(val)
-    sh = st[1]
-    acc = st[0] | (val << sh)
-    nacc = sh + np.uint64(nb_)
+    acc |= val << nacc
+    nacc += np.uint64(nb_)
     if nacc >= np.uint64(64):
-        buf[st[2]] = acc
-        st[2] += np.uint64(1)
+        buf[w] = acc
+        w += np.uint64(1)
         nacc -= np.uint64(64)
         acc = (val >> (np.uint64(nb_) - nacc)) if nacc > np.uint64(0) else np.uint64(0)
-    st[0] = acc
-    st[1] = nacc
+    return acc, nacc, w
 
 
 @inline
@@ -117,34 +117,35 @@ def bitlen(x):
 
 
 @inline
-def put_long(buf, st, x, L):
+def put_long(buf, acc, nacc, w, x, L):
     if L > 32:
-        put(buf, st, x & 0xFFFFFFFF, 32)
-        put(buf, st, x >> 32, L - 32)
-    else:
-        put(buf, st, x, L)
+        acc, nacc, w = put(buf, acc, nacc, w, x & 0xFFFFFFFF, 32)
+        return put(buf, acc, nacc, w, x >> 32, L - 32)
+    return put(buf, acc, nacc, w, x, L)
 
 
 @inline
-def golomb_write(buf, st, x, m, b, cutoff):
+def golomb_write(buf, acc, nacc, w, x, m, b, cutoff):
+    """Append x's Golomb code (parameter m, with b and cutoff from :func:`golomb_params`); the
+    writer's state in and out as in :func:`put`. A code of up to 57 bits is one put."""
     q = x // m
     if q >= QMAX:
-        put(buf, st, 0, 40)
-        put(buf, st, 1, 1)
+        acc, nacc, w = put(buf, acc, nacc, w, 0, 40)
+        acc, nacc, w = put(buf, acc, nacc, w, 1, 1)
         L = bitlen(x)
-        put(buf, st, L, 6)
-        put_long(buf, st, x, L)
-        return
-    put(buf, st, np.int64(1) << q, q + 1)
+        acc, nacc, w = put(buf, acc, nacc, w, L, 6)
+        return put_long(buf, acc, nacc, w, x, L)
     if m == 1:
-        return
+        return put(buf, acc, nacc, w, np.int64(1) << q, q + 1)
     r = x - q * m
     if r < cutoff:
-        put(buf, st, r, b - 1)
+        rest, nb = r, b - 1
     else:
-        v = cutoff + (r - cutoff) // 2
-        t = (r - cutoff) & 1
-        put(buf, st, v | (t << (b - 1)), b)
+        rest, nb = cutoff + (r - cutoff) // 2 | ((r - cutoff) & 1) << (b - 1), b
+    if q + 1 + nb <= 57:
+        return put(buf, acc, nacc, w, (np.int64(1) << q) | (rest << (q + 1)), q + 1 + nb)
+    acc, nacc, w = put(buf, acc, nacc, w, np.int64(1) << q, q + 1)
+    return put(buf, acc, nacc, w, rest, nb)
 
 
 @inline

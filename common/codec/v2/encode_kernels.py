@@ -212,6 +212,9 @@ def enc_walk(
     K = K1 - 1
     last = np.full(K1, -1, np.int64)
     walked[:] = 0
+    code = np.empty(lut.size, np.int64)  # lut with 1 << 16 added for a dense class: one load decides
+    for e in range(lut.size):
+        code[e] = lut[e] | (np.int64(dense[lut[e]]) << 16)
     ne = 0
     nv = 0
     n = u.size
@@ -227,8 +230,8 @@ def enc_walk(
         i = s
         while i < e_:
             while i < e_ and u[i] == v[i]:  # a run of unchanged elements of sparse classes: no events
-                c = lut[np.int64(u[i]) >> mant_bits]
-                if dense[c]:
+                c = code[np.int64(u[i]) >> mant_bits]
+                if c >> 16:
                     break
                 walked[c] += 1
                 i += 1
@@ -326,21 +329,38 @@ def packed_flips(vals, slot, predicted):
 #: golomb_best_m costs its candidates on at most about this many of the values (evenly spread):
 #: the cost is flat near its minimum, so a sample picks the same parameter or a neighbour.
 GOLOMB_SAMPLE = 1 << 12
+_COST_HIST = 128  # golomb_best_m costs the values below this through their histogram
 
 
 @kernel
 def golomb_best_m(g, m_hint):
     """The Golomb parameter (among a few around the hint) that codes g in the fewest bits, costed on
-    at most about GOLOMB_SAMPLE of its values; and its bits on those values."""
+    at most about GOLOMB_SAMPLE of its values; and its bits on those values. The values below
+    _COST_HIST are costed through their histogram (one code length per value, not per element)."""
     step = max(1, g.size // GOLOMB_SAMPLE)
+    hist = np.zeros(_COST_HIST, np.int64)
+    n_big = 0
+    for i in range(0, g.size, step):
+        if g[i] < _COST_HIST:
+            hist[g[i]] += 1
+        else:
+            n_big += 1
+    top = _COST_HIST
+    while top > 0 and hist[top - 1] == 0:
+        top -= 1
     best = -1
     best_m = 1
     for f in (0.5, 0.7, 0.85, 1.0, 1.15, 1.3, 1.6):
         m = max(1, int(m_hint * f + 0.5))
         b, cut = golomb_params(m)
         L = 0
-        for i in range(0, g.size, step):
-            L += golomb_len(g[i], m, b, cut)
+        for x in range(top):
+            if hist[x]:
+                L += hist[x] * golomb_len(x, m, b, cut)
+        if n_big:
+            for i in range(0, g.size, step):
+                if g[i] >= _COST_HIST:
+                    L += golomb_len(g[i], m, b, cut)
         if best < 0 or L < best:
             best, best_m = L, m
     return best_m, best
@@ -350,24 +370,24 @@ def golomb_best_m(g, m_hint):
 def write_bits(buf, row_ev, row_m, ev, ev_off, n_events, cls_m, vals, val_off, n_class_changes, mag_mode, mag_m, mag_T):
     """The bitstream: row gaps, each class's event gaps, then each class's magnitudes (Golomb
     codes, or the escape payloads of rANS-coded ones). Returns its length in bits."""
-    st = np.zeros(3, np.uint64)
+    acc, nacc, w = np.uint64(0), np.uint64(0), np.uint64(0)  # the writer's state (bitio.put)
     if row_ev.size:
         b, cut = golomb_params(row_m)
         for x in row_ev:
-            golomb_write(buf, st, x, row_m, b, cut)
+            acc, nacc, w = golomb_write(buf, acc, nacc, w, x, row_m, b, cut)
     K = ev_off.size
     for c in range(K):
         m = cls_m[c]
         b, cut = golomb_params(m)
         for j in range(ev_off[c], ev_off[c] + n_events[c]):
-            golomb_write(buf, st, ev[j], m, b, cut)
+            acc, nacc, w = golomb_write(buf, acc, nacc, w, ev[j], m, b, cut)
     for c in range(K):
         if mag_mode[c] == 1:
             m = mag_m[c]
             b, cut = golomb_params(m)
             for j in range(val_off[c], val_off[c] + n_class_changes[c]):
                 d = vals[j]
-                golomb_write(buf, st, (d if d > 0 else -d) - 1, m, b, cut)
+                acc, nacc, w = golomb_write(buf, acc, nacc, w, (d if d > 0 else -d) - 1, m, b, cut)
         elif mag_mode[c] == 2:
             T = mag_T[c]
             for j in range(val_off[c], val_off[c] + n_class_changes[c]):
@@ -376,11 +396,11 @@ def write_bits(buf, row_ev, row_m, ev, ev_off, n_events, cls_m, vals, val_off, n
                 if mg >= T - 1:
                     x = mg - (T - 1)
                     L = bitlen(x)
-                    put(buf, st, L, 6)
-                    put_long(buf, st, x, L)
-    nbits = np.int64(st[2]) * 64 + np.int64(st[1])
-    if st[1]:
-        buf[np.int64(st[2])] = st[0]
+                    acc, nacc, w = put(buf, acc, nacc, w, L, 6)
+                    acc, nacc, w = put_long(buf, acc, nacc, w, x, L)
+    nbits = np.int64(w) * 64 + np.int64(nacc)
+    if nacc:
+        buf[w] = acc
     return nbits
 
 
