@@ -6,6 +6,7 @@ from __future__ import annotations
 import struct
 from concurrent.futures import ThreadPoolExecutor
 
+import numba
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from delta_swap import codec
 from delta_swap.checksum import checksum
 from delta_swap.codec import v1, v2
-from delta_swap.codec.v2 import samples, wire
+from delta_swap.codec.v2 import bitio, samples, wire
 from delta_swap.dtypes import DTYPE_SIZES
 from delta_swap.errors import ConfigError, CorruptDataError
 from tests.support import codec_fixtures
@@ -962,3 +963,38 @@ def zstandard_error() -> type[Exception]:
     import zstandard
 
     return zstandard.ZstdError
+
+
+@numba.njit
+def _golomb_round_trip(values, m):
+    """Write ``values`` with the encoder's Golomb writer, read them back with the decoder's
+    reader: (values read, bits read, bits written, bits golomb_len counts)."""
+    b, cut = bitio.golomb_params(m)
+    buf = np.zeros(2 * values.size + 8, np.uint64)  # a code is at most 47 + 63 bits
+    acc, nacc, w = np.uint64(0), np.uint64(0), np.uint64(0)
+    counted = 0
+    for x in values:
+        acc, nacc, w = bitio.golomb_write(buf, acc, nacc, w, x, m, b, cut)
+        counted += bitio.golomb_len(x, m, b, cut)
+    if nacc:
+        buf[w] = acc
+    out = np.empty(values.size, np.int64)
+    pos = 0
+    for j in range(values.size):
+        out[j], pos = bitio.golomb_read(buf, pos, m, b, cut)
+    return out, pos, np.int64(w) * 64 + np.int64(nacc), counted
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 64, 1000, (1 << 20) + 7, (1 << 27) + 3, 1 << 40])
+def test_golomb_writer_and_reader_agree(m: int) -> None:
+    """Every path of the writer: one put, a code over 57 bits in two (large m, large quotient),
+    the escape (quotient >= QMAX), m = 1; mixed so codes straddle the 64-bit words."""
+    cut = (1 << (m - 1).bit_length()) - m  # the codes from here on take b bits, below b - 1
+    picks = [0, 1, m - 1, m, max(0, cut - 1), cut, m + cut, 3 * m + m // 2]
+    picks += [(wire.QMAX - 1) * m + r for r in (0, m - 1)]  # the longest codes that are not escaped
+    picks += [wire.QMAX * m, (1 << 62) - 1]  # escaped
+    rng = np.random.default_rng(m)
+    values = np.array(picks + list(rng.choice(picks, 200)) + list(rng.integers(0, 5 * m, 200)), np.int64)
+    out, read, written, counted = _golomb_round_trip(values, m)
+    assert out.tolist() == values.tolist()
+    assert read == written == counted
