@@ -45,7 +45,7 @@ class CodecConfig:
     #: smaller (~4% smaller payloads at lr 1e-5, a rebuild some % slower: benchmarks/README.md).
     predict_signs: bool = True
     #: Codec v2's encoder effort, as zstd has levels (the decoder is the same): 2 (default) tries
-    #: the sign model on every matrix, the smallest payloads; 1 skips it, for an encode ~1.2-1.8x as
+    #: the sign model on every matrix, the smallest payloads; 1 skips it, for an encode ~1.4-1.9x as
     #: fast and payloads ~4-5% larger at lr 1e-5 (about the same at 1e-6). Measured on
     #: benchmarks/codec_bench.py's corpora: benchmarks/README.md, "Encoder levels".
     level: int = 2
