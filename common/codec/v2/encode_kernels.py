@@ -313,11 +313,17 @@ def packed_flips(vals, slot, predicted):
     first, and the histogram of their 4-bit groups; ``vals`` is negated in place where the
     prediction is negative (what the decoder negates back)."""
     n = vals.size
-    for j in range(slot.size):
-        if predicted[j]:
-            vals[slot[j]] = -vals[slot[j]]
+    for j in range(slot.size):  # a store every time: a conditional one is a branch, mispredicted half the time
+        s = slot[j]
+        x = vals[s]
+        vals[s] = -x if predicted[j] else x
     out = np.zeros((n + 7) // 8, np.uint8)
-    for i in range(n):
+    for j in range(n >> 3):  # whole bytes built in a register
+        byte = 0
+        for t in range(8):
+            byte |= np.int64(vals[8 * j + t] < 0) << t
+        out[j] = byte
+    for i in range(n & ~7, n):
         out[i >> 3] |= np.uint8(vals[i] < 0) << np.uint8(i & 7)
     groups = np.zeros(16, np.int64)
     for b in out:
