@@ -332,6 +332,23 @@ def test_signs_without_a_pattern_stay_raw_bits(rng) -> None:
     assert payload[6] == 0 and np.array_equal(codec.decode(old, payload, "BF16", old.size), new)
 
 
+def test_sign_model_products_by_row_match_the_plain_ones(rng) -> None:
+    """The SVD's products with a row's sums held in registers give the plain kernel's sums bit for
+    bit where rows ascend (the changes in element order), and the same sums in any order."""
+    from delta_swap.codec.v2 import sign_model
+
+    for n_rows, row_len, n, k in [(50, 64, 2000, 7), (7, 128, 500, 6), (1, 64, 10, 8), (30, 64, 0, 7)]:
+        rows = np.sort(rng.integers(0, n_rows, n))
+        cols = rng.integers(0, row_len, n)
+        negative = rng.random(n) < 0.5
+        x = rng.standard_normal((row_len, k))
+        plain = sign_model._times(rows, cols, negative, x, n_rows)
+        assert np.array_equal(sign_model._times_by_row(rows, cols, negative, x, n_rows), plain)
+        shuffled = rng.permutation(n)
+        by_row = sign_model._times_by_row(rows[shuffled], cols[shuffled], negative[shuffled], x, n_rows)
+        np.testing.assert_allclose(by_row, plain, atol=1e-9)
+
+
 def test_sign_models_only_where_rows_are_whole_words(rng) -> None:
     """Rows of 500 elements (not a multiple of 64), one row or no shape: raw signs."""
     for shape, passed in (((128, 500), (128, 500)), ((1, 64000), (1, 64000)), ((128, 512), None)):

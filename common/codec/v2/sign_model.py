@@ -29,7 +29,7 @@ MAX_RANK = 3  # a row's or a column's codes fit in 6 bits: the prediction is one
 ROW_ALIGN = 64  # rows must be a whole number of 64-element words (the select apply's unit)
 MIN_CHANGES = 4096  # fewer changes do not pay for the factors
 LEVEL_MAX = 255
-_OVERSAMPLE = 4
+_OVERSAMPLE = 4  # MAX_RANK + _OVERSAMPLE <= 8: _times_by_row's columns
 _POWER_ITERATIONS = 1
 _REFINE_STEPS = 4  # rows, columns, rows, columns
 #: Below this many changes per row and column of a matrix, the one-bit model is fitted beside the
@@ -111,6 +111,38 @@ def _times(rows, cols, negative, x, n_out):
     return out
 
 
+@kernel
+def _times_by_row(rows, cols, negative, x, n_out):
+    """:func:`_times` for x of at most 8 columns, fast where ``rows`` ascend (the changes in
+    element order): a row's sums stay in registers until its run of changes ends, instead of a
+    store and a reload per change (the same sums, in the same order; any order is correct)."""
+    k = x.shape[1]
+    xp = np.zeros((x.shape[0], 8))
+    xp[:, :k] = x
+    out = np.zeros((n_out, 8))
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = 0.0
+    r0 = rows[0] if rows.size else 0
+    for i in range(rows.size + 1):
+        if i == rows.size or rows[i] != r0:
+            out[r0, 0] += a0
+            out[r0, 1] += a1
+            out[r0, 2] += a2
+            out[r0, 3] += a3
+            out[r0, 4] += a4
+            out[r0, 5] += a5
+            out[r0, 6] += a6
+            out[r0, 7] += a7
+            if i == rows.size:
+                break
+            a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = 0.0
+            r0 = rows[i]
+        c = cols[i]
+        s = 1.0 - 2.0 * negative[i]
+        a0, a1, a2, a3 = a0 + s * xp[c, 0], a1 + s * xp[c, 1], a2 + s * xp[c, 2], a3 + s * xp[c, 3]
+        a4, a5, a6, a7 = a4 + s * xp[c, 4], a5 + s * xp[c, 5], a6 + s * xp[c, 6], a7 + s * xp[c, 7]
+    return out[:, :k].copy()
+
+
 def _top_factors(
     shape: tuple[int, int], rows: np.ndarray, cols: np.ndarray, negative: np.ndarray, rank: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -118,10 +150,10 @@ def _top_factors(
     randomized SVD, and their singular values s; every product runs over the changes only."""
     n_rows, row_len = shape
     rng = np.random.default_rng(0)
-    q = _times(rows, cols, negative, rng.standard_normal((row_len, rank + _OVERSAMPLE)), n_rows)
+    q = _times_by_row(rows, cols, negative, rng.standard_normal((row_len, rank + _OVERSAMPLE)), n_rows)
     for _ in range(_POWER_ITERATIONS):
         q, _ = np.linalg.qr(q)
-        q = _times(rows, cols, negative, _times(cols, rows, negative, q, row_len), n_rows)
+        q = _times_by_row(rows, cols, negative, _times(cols, rows, negative, q, row_len), n_rows)
     q, _ = np.linalg.qr(q)
     u, s, vt = np.linalg.svd(_times(cols, rows, negative, q, row_len).T, full_matrices=False)
     root = np.sqrt(s[:rank])
