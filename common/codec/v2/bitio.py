@@ -141,7 +141,8 @@ def golomb_write(buf, acc, nacc, w, x, m, b, cutoff):
     if r < cutoff:
         rest, nb = r, b - 1
     else:
-        rest, nb = cutoff + (r - cutoff) // 2 | ((r - cutoff) & 1) << (b - 1), b
+        v = cutoff + (r - cutoff) // 2
+        rest, nb = v | (((r - cutoff) & 1) << (b - 1)), b
     if q + 1 + nb <= 57:
         return put(buf, acc, nacc, w, (np.int64(1) << q) | (rest << (q + 1)), q + 1 + nb)
     acc, nacc, w = put(buf, acc, nacc, w, np.int64(1) << q, q + 1)
