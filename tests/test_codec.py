@@ -332,9 +332,10 @@ def test_signs_without_a_pattern_stay_raw_bits(rng) -> None:
     assert payload[6] == 0 and np.array_equal(codec.decode(old, payload, "BF16", old.size), new)
 
 
-def test_sign_model_products_by_row_match_the_plain_ones(rng) -> None:
-    """The SVD's products with a row's sums held in registers give the plain kernel's sums bit for
-    bit where rows ascend (the changes in element order), and the same sums in any order."""
+def test_sign_model_products_sum_each_row_in_change_order(rng) -> None:
+    """The SVD's sparse products (a row's sums held in registers while its changes run) give
+    the sums of the changes in element order bit for bit where rows ascend, and the same sums,
+    up to rounding, in any order (the transposed products)."""
     from delta_swap.codec.v2 import sign_model
 
     for n_rows, row_len, n, k in [(50, 64, 2000, 7), (7, 128, 500, 6), (1, 64, 10, 8), (30, 64, 0, 7)]:
@@ -342,11 +343,13 @@ def test_sign_model_products_by_row_match_the_plain_ones(rng) -> None:
         cols = rng.integers(0, row_len, n)
         negative = rng.random(n) < 0.5
         x = rng.standard_normal((row_len, k))
-        plain = sign_model._times(rows, cols, negative, x, n_rows)
-        assert np.array_equal(sign_model._times_by_row(rows, cols, negative, x, n_rows), plain)
+        in_order = np.zeros((n_rows, k))
+        for r, c, neg in zip(rows, cols, negative, strict=True):
+            in_order[r] += (-1.0 if neg else 1.0) * x[c]
+        assert np.array_equal(sign_model._times(rows, cols, negative, x, n_rows), in_order)
         shuffled = rng.permutation(n)
-        by_row = sign_model._times_by_row(rows[shuffled], cols[shuffled], negative[shuffled], x, n_rows)
-        np.testing.assert_allclose(by_row, plain, atol=1e-9)
+        any_order = sign_model._times(rows[shuffled], cols[shuffled], negative[shuffled], x, n_rows)
+        np.testing.assert_allclose(any_order, in_order, atol=1e-9)
 
 
 def test_sign_models_only_where_rows_are_whole_words(rng) -> None:

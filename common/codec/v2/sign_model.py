@@ -29,7 +29,7 @@ MAX_RANK = 3  # a row's or a column's codes fit in 6 bits: the prediction is one
 ROW_ALIGN = 64  # rows must be a whole number of 64-element words (the select apply's unit)
 MIN_CHANGES = 4096  # fewer changes do not pay for the factors
 LEVEL_MAX = 255
-_OVERSAMPLE = 4  # MAX_RANK + _OVERSAMPLE <= 8: _times_by_row's columns
+_OVERSAMPLE = 4  # MAX_RANK + _OVERSAMPLE <= 8: _times's columns
 _POWER_ITERATIONS = 1
 _REFINE_STEPS = 4  # rows, columns, rows, columns
 #: Below this many changes per row and column of a matrix, the one-bit model is fitted beside the
@@ -100,22 +100,9 @@ def _two_bit(x):
 @kernel
 def _times(rows, cols, negative, x, n_out):
     """S @ x for the sparse sign matrix S (entry -1 where ``negative[i]``, else +1, at (rows[i],
-    cols[i])); S.T @ x with rows and cols swapped."""
-    k = x.shape[1]
-    out = np.zeros((n_out, k))
-    for i in range(rows.size):
-        r, c = rows[i], cols[i]
-        s = 1.0 - 2.0 * negative[i]
-        for t in range(k):
-            out[r, t] += s * x[c, t]
-    return out
-
-
-@kernel
-def _times_by_row(rows, cols, negative, x, n_out):
-    """:func:`_times` for x of at most 8 columns, fast where ``rows`` ascend (the changes in
-    element order): a row's sums stay in registers until its run of changes ends, instead of a
-    store and a reload per change (the same sums, in the same order; any order is correct)."""
+    cols[i])) and x of at most 8 columns; S.T @ x with rows and cols swapped. Where ``rows``
+    ascend (S @ x: the changes in element order) a row's sums stay in registers until its run
+    of changes ends, instead of a store and a reload per change; any order is correct."""
     k = x.shape[1]
     xp = np.zeros((x.shape[0], 8))
     xp[:, :k] = x
@@ -150,10 +137,10 @@ def _top_factors(
     randomized SVD, and their singular values s; every product runs over the changes only."""
     n_rows, row_len = shape
     rng = np.random.default_rng(0)
-    q = _times_by_row(rows, cols, negative, rng.standard_normal((row_len, rank + _OVERSAMPLE)), n_rows)
+    q = _times(rows, cols, negative, rng.standard_normal((row_len, rank + _OVERSAMPLE)), n_rows)
     for _ in range(_POWER_ITERATIONS):
         q, _ = np.linalg.qr(q)
-        q = _times_by_row(rows, cols, negative, _times(cols, rows, negative, q, row_len), n_rows)
+        q = _times(rows, cols, negative, _times(cols, rows, negative, q, row_len), n_rows)
     q, _ = np.linalg.qr(q)
     u, s, vt = np.linalg.svd(_times(cols, rows, negative, q, row_len).T, full_matrices=False)
     root = np.sqrt(s[:rank])
