@@ -338,6 +338,27 @@ GOLOMB_SAMPLE = 1 << 12
 _COST_HIST = 128  # golomb_best_m costs the values below this through their histogram
 
 
+@inline
+def _golomb_cheapest(hist, big, hint):
+    """Among the Golomb parameters of a few factors of ``hint``: the one that codes the values
+    counted in ``hist`` (value x at hist[x]) and those listed in ``big`` in the fewest bits
+    (the first of equals); and those bits."""
+    best = -1
+    best_m = 1
+    for f in (0.5, 0.7, 0.85, 1.0, 1.15, 1.3, 1.6):
+        m = max(1, int(hint * f + 0.5))
+        b, cut = golomb_params(m)
+        L = 0
+        for x in range(hist.size):
+            if hist[x]:
+                L += hist[x] * golomb_len(x, m, b, cut)
+        for x in big:
+            L += golomb_len(x, m, b, cut)
+        if best < 0 or L < best:
+            best, best_m = L, m
+    return best_m, best
+
+
 @kernel
 def golomb_best_m(g, m_hint):
     """The Golomb parameter (among a few around the hint) that codes g in the fewest bits, costed on
@@ -351,25 +372,14 @@ def golomb_best_m(g, m_hint):
             hist[g[i]] += 1
         else:
             n_big += 1
-    top = _COST_HIST
-    while top > 0 and hist[top - 1] == 0:
-        top -= 1
-    best = -1
-    best_m = 1
-    for f in (0.5, 0.7, 0.85, 1.0, 1.15, 1.3, 1.6):
-        m = max(1, int(m_hint * f + 0.5))
-        b, cut = golomb_params(m)
-        L = 0
-        for x in range(top):
-            if hist[x]:
-                L += hist[x] * golomb_len(x, m, b, cut)
-        if n_big:
-            for i in range(0, g.size, step):
-                if g[i] >= _COST_HIST:
-                    L += golomb_len(g[i], m, b, cut)
-        if best < 0 or L < best:
-            best, best_m = L, m
-    return best_m, best
+    big = np.empty(n_big, np.int64)  # the rest, one by one
+    j = 0
+    if n_big:  # mostly none: no second pass then
+        for i in range(0, g.size, step):
+            if g[i] >= _COST_HIST:
+                big[j] = g[i]
+                j += 1
+    return _golomb_cheapest(hist, big, m_hint)
 
 
 @kernel
@@ -570,20 +580,7 @@ def magnitude_code(mags):
             big[j] = x
             j += 1
     # Golomb: the parameter (among a few around 0.69 x the mean) with the fewest bits
-    hint = max(1.0, 0.69 * (total / n))
-    best_gl = -1
-    best_m = 1
-    for fac in (0.5, 0.7, 0.85, 1.0, 1.15, 1.3, 1.6):
-        m = max(1, int(hint * fac + 0.5))
-        b, cut = golomb_params(m)
-        L = 0
-        for x in range(_HIST_CAP):
-            if hist[x]:
-                L += hist[x] * golomb_len(x, m, b, cut)
-        for x in big:
-            L += golomb_len(x, m, b, cut)
-        if best_gl < 0 or L < best_gl:
-            best_gl, best_m = L, m
+    best_m, best_gl = _golomb_cheapest(hist, big, max(1.0, 0.69 * (total / n)))
     best_bits = float(best_gl + 8 * _varint_len(best_m))
     mode, param = 1, best_m
     table = np.zeros(0, np.int64)
