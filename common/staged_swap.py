@@ -173,9 +173,11 @@ class StagedSwap:
         packed: Mapping[str, Sequence[str]],
         default_loader: Callable[..., Any],
         context: LoadContext = nullcontext,
+        on_done: Callable[[], None] | None = None,
     ) -> None:
         """Start working out, through the model's own loaders, which elements of this process's
-        parameters ``weights`` change (kept next to the parameters, with the old values there)."""
+        parameters ``weights`` change (kept next to the parameters, with the old values there);
+        ``on_done`` is called on the staging thread once that is done or failed."""
         weights = list(weights)
 
         def work() -> InplaceStaged:
@@ -185,7 +187,7 @@ class StagedSwap:
                 saved = save_old_values(dict(model.named_parameters()), changes)
             return InplaceStaged(changes, saved, time.perf_counter() - started)
 
-        self._start(work)
+        self._start(work, on_done)
 
     def stage_shadow(
         self,
@@ -196,9 +198,11 @@ class StagedSwap:
         default_loader: Callable[..., Any],
         context: LoadContext = nullcontext,
         fail_after: int = -1,
+        on_done: Callable[[], None] | None = None,
     ) -> None:
         """Start building the shadows of the modules ``weights`` (whole modules) load into;
-        ``fail_after`` >= 0 makes the build fail after that many modules (tests)."""
+        ``fail_after`` >= 0 makes the build fail after that many modules (tests); ``on_done`` as
+        in :meth:`stage_inplace`."""
         weights = list(weights)
         fault = _mid_build_fault(fail_after, "shadow modules")
 
@@ -208,7 +212,7 @@ class StagedSwap:
             refuse_views((t for item in build.switches for t in _state_tensors(item.state)), weights, "a shadow module")
             return build
 
-        self._start(work)
+        self._start(work, on_done)
 
     def stage_switch(
         self,
@@ -218,10 +222,11 @@ class StagedSwap:
         default_loader: Callable[..., Any],
         context: LoadContext = nullcontext,
         fail_after: int = -1,
+        on_done: Callable[[], None] | None = None,
     ) -> None:
         """Start building, through the model's own loaders, the new tensors of the parameters
         ``weights`` change (plain host tensors); ``fail_after`` >= 0 makes the build fail after that
-        many modules (tests)."""
+        many modules (tests); ``on_done`` as in :meth:`stage_inplace`."""
         weights = list(weights)
         fault = _mid_build_fault(fail_after, "modules")
 
@@ -233,12 +238,18 @@ class StagedSwap:
             refuse_views((new for _, _, new in build.targets), weights, "a new parameter")
             return build
 
-        self._start(work)
+        self._start(work, on_done)
 
-    def _start(self, work: Callable[[], InplaceStaged | ShadowBuild | ParameterSwitch]) -> None:
+    def _start(
+        self,
+        work: Callable[[], InplaceStaged | ShadowBuild | ParameterSwitch],
+        on_done: Callable[[], None] | None,
+    ) -> None:
         self.drop()
         self._answered = False
         self._staging = self._stager.submit(work)
+        if on_done is not None:
+            self._staging.add_done_callback(lambda _: _call_logged(on_done))
 
     def answer(self) -> dict[str, Any]:
         """Whether staging is done (never waits for it), with what it found: ``{"done": False}``,
@@ -336,6 +347,14 @@ class StagedSwap:
 
     def shutdown(self) -> None:
         self._stager.shutdown(wait=False, cancel_futures=True)
+
+
+def _call_logged(callback: Callable[[], None]) -> None:
+    """``callback()``, its failure logged (the answer to the next question says the same)."""
+    try:
+        callback()
+    except Exception as exc:
+        log.warning("delta_swap: could not say that staging is done: %s", exc)
 
 
 def _mid_build_fault(fail_after: int, unit: str) -> Callable[[int], None]:

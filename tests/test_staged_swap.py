@@ -218,3 +218,71 @@ async def test_the_adapter_waits_until_every_process_has_staged() -> None:
 
     answers = await until_staged(ask)
     assert len(asked) == 3 and answers[1] == {"done": True, "elements": 5}
+
+
+async def test_with_a_doorbell_the_adapter_asks_again_once_every_process_rang(tmp_path, monkeypatch) -> None:
+    """Each question goes through the engine (and keeps an idle vLLM worker spinning): with a
+    doorbell the adapter asks once, then again only when both processes rang it."""
+    import asyncio
+    import threading
+
+    from delta_swap import staging_files
+    from delta_swap.staging_files import doorbells_rung, remove_doorbells, ring_doorbell, until_staged
+
+    monkeypatch.setattr(staging_files, "STAGE_ASK_S", 60.0)
+    doorbell = str(tmp_path / "staged.done")
+    done = threading.Event()
+    asked = []
+
+    async def ask() -> list[dict]:
+        asked.append(1)
+        return [{"done": done.is_set()}, {"done": done.is_set()}]
+
+    def two_processes_finish() -> None:
+        ring_doorbell(doorbell)  # the first: not enough
+        Path(f"{doorbell}.other-pid").touch()
+        done.set()
+
+    threading.Timer(0.2, two_processes_finish).start()
+    started = time.monotonic()
+    answers = await asyncio.wait_for(until_staged(ask, doorbell), timeout=30)
+    assert answers == [{"done": True}] * 2 and len(asked) == 2 and time.monotonic() - started < 30
+    assert doorbells_rung(doorbell) == 2
+    remove_doorbells(doorbell)
+    assert doorbells_rung(doorbell) == 0 and not list(tmp_path.iterdir())
+
+
+async def test_without_a_rung_doorbell_the_adapter_still_asks_every_stage_ask_s(tmp_path, monkeypatch) -> None:
+    """A doorbell that never rings (a process that died) costs at most STAGE_ASK_S per question."""
+    from delta_swap import staging_files
+    from delta_swap.staging_files import until_staged
+
+    monkeypatch.setattr(staging_files, "STAGE_ASK_S", 0.05)
+    asked = []
+
+    async def ask() -> list[dict]:
+        asked.append(1)
+        return [{"done": len(asked) >= 4}]
+
+    assert await until_staged(ask, str(tmp_path / "never.done")) == [{"done": True}] and len(asked) == 4
+
+
+def test_a_staging_rings_its_doorbell_when_done_or_failed(tmp_path) -> None:
+    """``on_done`` runs once staging ends, also when it failed, and the answer is ready by then."""
+    import threading
+
+    from delta_swap.staged_swap import StagedSwap
+
+    model = torch.nn.Linear(2, 2, bias=False)
+    staged = StagedSwap()
+    try:
+        for weights in ([("weight", torch.ones(2, 2))], [("weight", torch.ones(3, 3))]):
+            rung = threading.Event()
+            answers = []
+            staged.stage_inplace(
+                model, weights, {}, lambda p, w: p.data.copy_(w), on_done=lambda: (answers.append(staged.answer()), rung.set())
+            )
+            assert rung.wait(30) and answers[0]["done"]
+        assert "error" in answers[0]  # the second: a 3x3 tensor does not fit the 2x2 parameter
+    finally:
+        staged.shutdown()

@@ -56,7 +56,7 @@ from delta_swap.staged_swap import (
     injected_swap_failure,
     merge_staged,
 )
-from delta_swap.staging_files import StagedTensors, stage_tensors, staging_file, until_staged
+from delta_swap.staging_files import StagedTensors, remove_doorbells, stage_tensors, staging_file, until_staged
 from delta_swap.tensors import StateDict, TensorSpecs
 from delta_swap.verify_budget import VerifyBudget
 
@@ -288,7 +288,7 @@ class VllmAdapter(EngineAdapter):
         parameters, or build shadow modules; on a thread of its own, so the engine generates
         meanwhile), and wait until all have; returns why a worker cannot (None: all did)."""
         fail_after = injected_failure(FAIL_BUILD_ENV) if op == "stage_shadow" else -1
-        await self._call({"op": op, "path": path, "names": names, "fail_after": fail_after})
+        doorbell = staging_file(self.settings.staging_dir, "staged", ".done")
         output = path + ".staged.json"
 
         async def ask() -> list[dict[str, Any]]:
@@ -298,7 +298,12 @@ class VllmAdapter(EngineAdapter):
                 answers = read_worker_results(output)  # raises a worker's error
             return answers
 
-        answers = await until_staged(ask)
+        try:
+            info = {"op": op, "path": path, "names": names, "fail_after": fail_after, "doorbell": doorbell}
+            await self._call(info)
+            answers = await until_staged(ask, doorbell)
+        finally:
+            await asyncio.to_thread(remove_doorbells, doorbell)
         self.last_staged = merge_staged(answers)
         if "fallback" in self.last_staged:
             log.info("delta_swap: reloading this update: %s", self.last_staged["fallback"])

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +65,7 @@ from delta_swap.readback import verify_modules
 from delta_swap.served_model import ServedModel
 from delta_swap.settings import Settings, SwapPath
 from delta_swap.staged_swap import StagedSwap, copy_views, inplace_possible, read_staged
+from delta_swap.staging_files import ring_doorbell
 from delta_swap.torch_params import ArenaMappings, describe_arena
 from delta_swap.undo import restored
 
@@ -97,6 +99,9 @@ class DeltaSwapUpdateInfo(WeightTransferUpdateInfo):
     #: modules (tests of the undo; -1: never), on the tensor-parallel rank ``fail_rank`` alone (-1: on every rank).
     fail_after: int = -1
     fail_rank: int = -1
+    #: With ``stage_inplace`` / ``stage_shadow``: the doorbell this worker rings once staging is
+    #: done (:func:`delta_swap.staging_files.ring_doorbell`), so the API server need not ask it.
+    doorbell: str = ""
 
 
 class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapUpdateInfo]):
@@ -237,6 +242,7 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             default_weight_loader,
             self._load_context,
             update_info.fail_after,
+            _doorbell(update_info),
         )
 
     def _stage_inplace(self, update_info: DeltaSwapUpdateInfo) -> None:
@@ -248,7 +254,9 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         self._served.check_fits(
             {name: (from_torch_dtype(t.dtype), tuple(t.shape)) for name, t in weights}, complete=False
         )
-        self._staged.stage_inplace(self.model, weights, self._packed, default_weight_loader, self._load_context)
+        self._staged.stage_inplace(
+            self.model, weights, self._packed, default_weight_loader, self._load_context, _doorbell(update_info)
+        )
 
     def _swap_staged(self, update_info: DeltaSwapUpdateInfo) -> None:
         """In the pause: ``scatter`` the staged changes into the live parameters, or ``switch`` the
@@ -408,3 +416,9 @@ def _reloaded_cpu_experts(model: torch.nn.Module, touched: set[str]) -> list[tup
         ):
             out.append((path, experts))
     return out
+
+
+def _doorbell(update_info: DeltaSwapUpdateInfo) -> Callable[[], None] | None:
+    """What rings the update's doorbell, if it has one."""
+    doorbell = update_info.doorbell
+    return (lambda: ring_doorbell(doorbell)) if doorbell else None
