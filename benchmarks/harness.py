@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from delta_swap import store_keys
 from delta_swap.arena import file_owner
+from delta_swap.freshness import record_path
 from delta_swap.publisher import Publisher, PublisherConfig
 from delta_swap.settings import Settings
 from delta_swap.stores import open_store
@@ -192,6 +193,8 @@ def engine_server(
     as it is launched (call ``wait_healthy``)."""
     plugin = store is not None
     options = {"store": store.as_uri(), "poll_interval": 0.2, **(settings or {})} if plugin else None
+    if store is not None:  # a record left by an earlier run in ``work`` would refuse this run's base
+        record_path(str(work), store.as_uri()).unlink(missing_ok=True)
     binding = "|".join(str(core) for core in range(tp))
     if engine == "vllm":
         env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
