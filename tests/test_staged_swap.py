@@ -284,7 +284,7 @@ def test_a_staging_rings_its_doorbell_when_done_or_failed(tmp_path) -> None:
                 weights,
                 {},
                 lambda p, w: p.data.copy_(w),
-                on_done=lambda: (answers.append(staged.answer()), rung.set()),
+                on_done=lambda answers=answers, rung=rung: (answers.append(staged.answer()), rung.set()),
             )
             assert rung.wait(30) and answers[0]["done"]
         assert "error" in answers[0]  # the second: a 3x3 tensor does not fit the 2x2 parameter
