@@ -254,6 +254,8 @@ async def test_with_a_doorbell_the_adapter_asks_again_once_every_process_rang(tm
 
 async def test_without_a_rung_doorbell_the_adapter_still_asks_every_stage_ask_s(tmp_path, monkeypatch) -> None:
     """A doorbell that never rings (a process that died) costs at most STAGE_ASK_S per question."""
+    import asyncio
+
     from delta_swap import staging_files
     from delta_swap.staging_files import until_staged
 
@@ -264,7 +266,8 @@ async def test_without_a_rung_doorbell_the_adapter_still_asks_every_stage_ask_s(
         asked.append(1)
         return [{"done": len(asked) >= 4}]
 
-    assert await until_staged(ask, str(tmp_path / "never.done")) == [{"done": True}] and len(asked) == 4
+    answers = await asyncio.wait_for(until_staged(ask, str(tmp_path / "never.done")), timeout=30)
+    assert answers == [{"done": True}] and len(asked) == 4
 
 
 def test_a_staging_rings_its_doorbell_when_done_or_failed(tmp_path) -> None:
