@@ -49,11 +49,13 @@ def _weights(
     max_step: int = 1,
     sign_rank: int = 0,
     agree: float = 0.8,
+    pattern_seed: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Weight-like floats and an RL-like step: ``frac`` of the elements move by 1..max_step ULPs,
     small ones more often; rows in ``dead_rows`` never change. With ``sign_rank`` the steps'
-    signs follow a random rank-``sign_rank`` pattern (as a momentum's outer products do), each
-    with probability ``agree``; otherwise they are fair coins."""
+    signs follow a random rank-``sign_rank`` pattern (as a momentum's outer products do; the same
+    one for the same ``pattern_seed``), each with probability ``agree``; otherwise they are fair
+    coins."""
     import torch
 
     tdtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[dtype]
@@ -72,7 +74,8 @@ def _weights(
     key = np.where(old.astype(np.int64) & sign, (1 << bits) - 1 - old.astype(np.int64), old.astype(np.int64) | sign)
     signs = rng.choice([-1, 1], n)
     if sign_rank:
-        pattern = rng.standard_normal((shape[0], sign_rank)) @ rng.standard_normal((sign_rank, n // shape[0]))
+        factors = rng if pattern_seed is None else np.random.default_rng(pattern_seed)
+        pattern = factors.standard_normal((shape[0], sign_rank)) @ factors.standard_normal((sign_rank, n // shape[0]))
         signs = np.where(
             rng.random(n) < agree, np.where(pattern.reshape(-1) < 0, -1, 1), -np.where(pattern.reshape(-1) < 0, -1, 1)
         )
@@ -323,6 +326,80 @@ def test_predicted_signs_round_trip_and_shrink_the_payload(
     # the signs' ideal saving at 80% agreement is 28% of their bits; 2-bit factors of a rank-3
     # pattern predict it less well than one bit per row and column does a rank-1 pattern
     assert len(raw) - len(payload) > (0.15 if sign_rank == 1 else 0.05) * n_changed / 8
+
+
+def test_encoder_memory_starts_each_fit_from_the_last_steps_model(rng, monkeypatch) -> None:
+    """With an EncoderMemory, a matrix's next step refines the sign model of its last one instead
+    of a new SVD, at most WARM_FITS times in a row, for payloads that decode the same and are as
+    small; a memory of another shape, or a last model that no longer pays, gets a new fit."""
+    sm = v2.sign_model
+    new_fits: list[tuple[int, int]] = []
+    fit_new = sm._fit_new
+    monkeypatch.setattr(sm, "_fit_new", lambda shape, *args: new_fits.append(shape) or fit_new(shape, *args))
+    shape = (384, 512)
+    config = codec.CodecConfig(dense_fraction=2.0)
+    memory = codec.EncoderMemory()
+    fitted_anew = []
+    for _ in range(sm.WARM_FITS + 3):
+        old, new = _weights(rng, "BF16", shape, 0.2, max_step=3, sign_rank=3, pattern_seed=7)
+        before = len(new_fits)
+        remembered = codec.encode_tensor_delta(old, new, "BF16", config, shape, memory.tensor("w"))
+        fitted_anew.append(len(new_fits) > before)
+        alone = codec.encode_tensor_delta(old, new, "BF16", config, shape)
+        assert remembered[6] == alone[6] == v2.FLAG_SIGN_MODEL
+        assert np.array_equal(codec.decode(old, remembered, "BF16", old.size), new)
+        assert len(remembered) <= 1.01 * len(alone)
+    assert fitted_anew == [True] + [False] * sm.WARM_FITS + [True, False]
+    assert len(new_fits) == len(fitted_anew) + sum(fitted_anew)  # every encode without it fits anew
+
+    new_fits.clear()  # another shape under the same name: a new fit
+    old, new = _weights(rng, "BF16", (256, 512), 0.2, max_step=3, sign_rank=3, pattern_seed=7)
+    payload = codec.encode_tensor_delta(old, new, "BF16", config, (256, 512), memory.tensor("w"))
+    assert new_fits == [(256, 512)] and np.array_equal(codec.decode(old, payload, "BF16", old.size), new)
+    new_fits.clear()  # signs that no longer follow the model: a new fit, which finds no pattern
+    old, new = _weights(rng, "BF16", (256, 512), 0.2, max_step=3)
+    payload = codec.encode_tensor_delta(old, new, "BF16", config, (256, 512), memory.tensor("w"))
+    assert new_fits == [(256, 512)] and payload[6] == 0
+    assert memory.tensor("w")[0].model is None
+    assert np.array_equal(codec.decode(old, payload, "BF16", old.size), new)
+
+
+def test_encoder_memory_files_round_trip_and_refuse_what_fit_would_not_make(rng, tmp_path) -> None:
+    """EncoderMemory.save/load keep every tensor part's model; a file whose models the kernels
+    could not use (codes past their bits, fields of another rank, a shape no model fits) is
+    refused with CorruptDataError, never handed to the encoder."""
+    from delta_swap.errors import CorruptDataError
+
+    shape = (384, 512)
+    memory = codec.EncoderMemory()
+    old, new = _weights(rng, "BF16", shape, 0.2, max_step=3, sign_rank=3, pattern_seed=3)
+    codec.encode_tensor_delta(old, new, "BF16", codec.CodecConfig(dense_fraction=2.0), shape, memory.tensor("w"))
+    memory.tensor("unfitted")  # an entry without a model is not kept
+    path = tmp_path / "memory.npz"
+    memory.save(path)
+    loaded = codec.EncoderMemory.load(path)
+    kept, got = memory.tensor("w")[0].model, loaded.tensor("w")[0].model
+    assert (got.rank, got.bits, got.shape) == (kept.rank, kept.bits, shape) and len(loaded) == 1
+    assert all(
+        np.array_equal(a, b)
+        for a, b in zip(
+            (got.levels, got.row_codes, got.col_codes), (kept.levels, kept.row_codes, kept.col_codes), strict=True
+        )
+    )
+    arrays = dict(np.load(path))
+    for field, bad in [
+        ("r0", np.full_like(arrays["r0"], 1 << kept.bits)),  # codes past their bits
+        ("c0", arrays["c0"][:, :1].copy()),  # a column's codes of another rank
+        ("c0", arrays["c0"][:100].copy()),  # rows of 100 elements: not whole 64-element words
+        ("l0", arrays["l0"].astype(np.int64)),
+    ]:
+        np.savez(path, **{**arrays, field: bad})
+        with pytest.raises(CorruptDataError, match="not an encoder memory"):
+            codec.EncoderMemory.load(path)
+    for data in (b"", b"garbage", b"PK\x03\x04 truncated"):
+        path.write_bytes(data)
+        with pytest.raises(CorruptDataError, match="not an encoder memory"):
+            codec.EncoderMemory.load(path)
 
 
 def test_signs_without_a_pattern_stay_raw_bits(rng) -> None:

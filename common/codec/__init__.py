@@ -23,6 +23,8 @@ from ..errors import ConfigError, CorruptDataError
 from ..manifest import Encoding
 from . import v1
 from .inputs import Payload, payload_view, raw_bytes
+from .memory import EncoderMemory as EncoderMemory
+from .memory import TensorMemory
 
 #: The codec version new payloads are written with.
 LATEST_VERSION = 2
@@ -47,7 +49,9 @@ class CodecConfig:
     #: Codec v2's encoder effort, as zstd has levels (the decoder is the same): 2 (default) tries
     #: the sign model on every matrix, the smallest payloads; 1 skips it, for an encode ~1.4-1.9x as
     #: fast and payloads ~4-5% larger at lr 1e-5 (about the same at 1e-6). Measured on
-    #: benchmarks/codec_bench.py's corpora: benchmarks/README.md, "Encoder levels".
+    #: benchmarks/codec_bench.py's corpora: benchmarks/README.md, "Encoder levels". At level 2 an
+    #: :class:`EncoderMemory` (the publisher keeps one) makes the fits after a matrix's first one
+    #: refinements of the last step's model.
     level: int = 2
     #: Codec v2: a tensor of at least twice this many elements is coded in parts of about this
     #: many (whole rows each), which threads encode and decode together (2^23: 16 MiB of bf16).
@@ -109,11 +113,13 @@ def encode_tensor_delta(
     dtype: str,
     config: CodecConfig = DEFAULT_CONFIG,
     shape: tuple[int, ...] | None = None,
+    memory: TensorMemory | None = None,
 ) -> bytes:
     """Encode ``new`` against ``old`` (raw bytes of the same dtype and size).
 
     Returns a full payload when ``old`` is None or when that is smaller than the delta. ``shape``
     (optional) lets codec v2 skip the rows (last dimension) that did not change at all.
+    ``memory`` (optional): this tensor's :meth:`EncoderMemory.tensor`, the same every step.
     """
     new = raw_bytes(new, "new")
     if old is None:
@@ -129,6 +135,7 @@ def encode_tensor_delta(
         config.dense_fraction,
         config.predict_signs and config.level >= 2,
         part_elements=config.part_elements,
+        memory=memory,
     )
 
 
@@ -150,8 +157,10 @@ def encode_part(
     part: tuple[int, int],
     config: CodecConfig = DEFAULT_CONFIG,
     shape: tuple[int, ...] | None = None,
+    memory: TensorMemory | None = None,
 ) -> bytes:
-    """The payload of elements ``part`` (start, stop) of a tensor, one of :func:`tensor_parts`."""
+    """The payload of elements ``part`` (start, stop) of a tensor, one of :func:`tensor_parts`
+    (``memory``: as :func:`encode_tensor_delta` takes it)."""
     return _v2().encode_part(
         raw_bytes(old, "old"),
         raw_bytes(new, "new"),
@@ -161,6 +170,7 @@ def encode_part(
         config.zstd_level,
         config.dense_fraction,
         config.predict_signs and config.level >= 2,
+        memory=memory,
     )
 
 

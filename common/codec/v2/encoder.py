@@ -70,6 +70,14 @@ SAMPLE_STEP = 8
 #: 1% of its payload at RL deltas' sizes.
 PART_ELEMENTS = 1 << 23
 
+#: What the encoder keeps of one tensor from one step to the next (:class:`sign_model.FitMemory`
+#: per part, by the part's first element): pass the same dict for the same tensor every step.
+TensorMemory = dict[int, sign_model.FitMemory]
+
+
+def _part_memory(memory: TensorMemory | None, start: int) -> sign_model.FitMemory | None:
+    return None if memory is None else memory.setdefault(start, sign_model.FitMemory())
+
 
 def split_ranges(n: int, shape: tuple[int, ...] | None, part_elements: int = PART_ELEMENTS) -> list[tuple[int, int]]:
     """The element ranges a tensor of ``n`` elements is encoded in: one range below
@@ -103,12 +111,14 @@ def encode_part(
     dense_fraction: float = 0.125,
     predict_signs: bool = True,
     class_cost: float = CLASS_COST,
+    memory: TensorMemory | None = None,
 ) -> bytes:
     """The payload (in one piece) of elements ``part`` = (start, stop) of a tensor of ``shape``,
     one of :func:`split_ranges` (the other arguments as :func:`encode_delta` takes them)."""
+    old, new = _pair(old, new)
     width = _width(dtype, new.size)
     start, stop = part
-    return encode_delta(
+    return _encode_piece(
         old[start * width : stop * width],
         new[start * width : stop * width],
         dtype,
@@ -117,7 +127,7 @@ def encode_part(
         dense_fraction,
         predict_signs,
         class_cost,
-        None,
+        _part_memory(memory, start),
     )
 
 
@@ -163,17 +173,23 @@ def _segments(exps: np.ndarray, arg: np.ndarray) -> list[tuple[int, int]]:
 
 
 def _sign_section(
-    vals: np.ndarray, at: np.ndarray, slot: np.ndarray, shape: tuple[int, ...] | None, row_len: int, n_rows: int
+    vals: np.ndarray,
+    at: np.ndarray,
+    slot: np.ndarray,
+    shape: tuple[int, ...] | None,
+    row_len: int,
+    n_rows: int,
+    memory: sign_model.FitMemory | None = None,
 ) -> tuple[int, bytes]:
     """(payload flags, the signs' bytes): raw sign bits, or, where it is smaller, a sign model
     (:mod:`.sign_model`) and the rANS-coded flips of ``vals`` (which are negated in place
     where the model predicts a negative step). ``at``/``slot``: per change in element order, its
-    position in the tensor and its index in ``vals``."""
+    position in the tensor and its index in ``vals``; ``memory``: see :func:`sign_model.fit`."""
     raw = np.packbits(vals < 0, bitorder="little").tobytes()
     if not shape or len(shape) < 2 or n_rows < 2 or vals.size < sign_model.MIN_CHANGES:  # one row: no model
         return 0, raw
     rows, cols, negative = changes_by_position(at, slot, vals, row_len)
-    fitted = sign_model.fit((n_rows, row_len), rows, cols, negative)
+    fitted = sign_model.fit((n_rows, row_len), rows, cols, negative, memory)
     if fitted is None:
         return 0, raw
     model, predicted = fitted
@@ -326,6 +342,7 @@ def _encode_ulp(
     shape: tuple[int, ...] | None,
     predict_signs: bool = True,
     class_cost: float = 0.0,
+    memory: sign_model.FitMemory | None = None,
 ) -> tuple[bytes, int]:
     """The ULP payload of old elements u -> new elements v, and the number of changes."""
     width, mant_bits, exp_bits = FLOATS[dtype]
@@ -387,7 +404,7 @@ def _encode_ulp(
         buf, row_ev, row_m, ev, ev_off, n_events, cls_m, vals, val_off, n_class_changes, mag_mode, mag_m, mag_T
     )
     bits_bytes = buf.view(np.uint8)[: (nbits + 7) // 8].tobytes()
-    flags, signs = _sign_section(vals, codes.at, codes.slot, shape if predict_signs else None, row_len, n_rows)
+    flags, signs = _sign_section(vals, codes.at, codes.slot, shape if predict_signs else None, row_len, n_rows, memory)
     rans_bytes = b""
     if tables:
         rbuf = np.zeros(vals.size * 2 + 8, np.uint16)
@@ -427,6 +444,7 @@ def encode_delta(
     predict_signs: bool = True,
     class_cost: float = CLASS_COST,
     part_elements: int | None = PART_ELEMENTS,
+    memory: TensorMemory | None = None,
 ) -> bytes:
     """A payload that rebuilds ``new`` from ``old`` (raw bytes of ``dtype``, same size).
 
@@ -438,25 +456,51 @@ def encode_delta(
     of the elements changed and the delta exceeds 1/FULL_TRY_BELOW of the tensor's bytes, a full
     payload is returned if it is smaller. ``predict_signs``: try a
     sign model (:mod:`.sign_model`) where the shape allows it. ``class_cost``: see CLASS_COST.
+    ``memory``: the dict this tensor's last encode was given (:data:`TensorMemory`), if any; the
+    sign model's fit then starts from the last step's (the payload is no different to decode).
     """
-    new = raw_bytes(new, "new")
-    old = raw_bytes(old, "old")
-    if old.size != new.size:
-        raise ConfigError(f"old has {old.size} bytes, new has {new.size}")
+    old, new = _pair(old, new)
     width = _width(dtype, new.size)
     n = new.size // width
     ranges = split_ranges(n, shape, part_elements) if part_elements else [(0, n)]
     if len(ranges) > 1:
         coded = [
-            encode_part(old, new, dtype, shape, part, zstd_level, dense_fraction, predict_signs, class_cost)
+            encode_part(old, new, dtype, shape, part, zstd_level, dense_fraction, predict_signs, class_cost, memory)
             for part in ranges
         ]
         return join_parts(
             dtype, [(stop - start, payload) for (start, stop), payload in zip(ranges, coded, strict=True)]
         )
+    return _encode_piece(
+        old, new, dtype, shape, zstd_level, dense_fraction, predict_signs, class_cost, _part_memory(memory, 0)
+    )
+
+
+def _pair(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``old`` and ``new`` as raw bytes of the same size."""
+    old, new = raw_bytes(old, "old"), raw_bytes(new, "new")
+    if old.size != new.size:
+        raise ConfigError(f"old has {old.size} bytes, new has {new.size}")
+    return old, new
+
+
+def _encode_piece(
+    old: np.ndarray,
+    new: np.ndarray,
+    dtype: str,
+    shape: tuple[int, ...] | None,
+    zstd_level: int,
+    dense_fraction: float,
+    predict_signs: bool,
+    class_cost: float,
+    memory: sign_model.FitMemory | None,
+) -> bytes:
+    """:func:`encode_delta` of raw bytes in one piece (no parts)."""
+    width = _width(dtype, new.size)
+    n = new.size // width
     if dtype in FLOATS:
         payload, n_changed = _encode_ulp(
-            readonly(old, UINT[width]), readonly(new, UINT[width]), dtype, shape, predict_signs, class_cost
+            readonly(old, UINT[width]), readonly(new, UINT[width]), dtype, shape, predict_signs, class_cost, memory
         )
         if n_changed > dense_fraction * n and len(payload) * FULL_TRY_BELOW > new.size:
             full = encode_full(new, dtype, zstd_level)

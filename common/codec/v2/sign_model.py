@@ -35,6 +35,12 @@ _REFINE_STEPS = 4  # rows, columns, rows, columns
 #: Below this many changes per row and column of a matrix, the one-bit model is fitted beside the
 #: two-bit one (its side bytes are 1/6 as many: it wins on small or sparse steps).
 SMALL_STEP_CHANGES = 16
+#: With a :class:`FitMemory`, at most this many fits in a row start from the matrix's last model
+#: (its codes refined on the new signs) instead of a new SVD; the next one fits from scratch.
+#: Adam moves a matrix along its momentum, so one step's sign pattern is most of the next one's:
+#: on the RL corpora at lr 1e-5 the refined model costs ~0.5% more sign bits than a fresh fit, in
+#: ~0.45x of its time (benchmarks/README.md, "Encoder levels").
+WARM_FITS = 7
 
 
 @dataclass(frozen=True)
@@ -48,12 +54,48 @@ class SignModel:
     row_codes: np.ndarray  # (n_rows, rank) uint8 codes: bit 0 negative, bit 1 high level
     col_codes: np.ndarray  # (row_len, rank)
 
+    @classmethod
+    def checked(
+        cls, rank: int, bits: int, levels: np.ndarray, row_codes: np.ndarray, col_codes: np.ndarray
+    ) -> SignModel:
+        """A model from stored fields (an encoder's memory kept on disk), each checked against
+        what :func:`fit` makes: ValueError for anything else (codes out of range would index
+        outside the kernels' tables)."""
+        if not (1 <= rank <= MAX_RANK and bits in (1, 2) and (bits == 2 or rank == 1)):
+            raise ValueError(f"a sign model of rank {rank} with {bits} bits per entry")
+        fields = (levels, row_codes, col_codes)
+        if any(not isinstance(a, np.ndarray) or a.dtype != np.uint8 or a.ndim != 2 for a in fields):
+            raise ValueError("a sign model's fields are 2-d uint8 arrays")
+        n_rows, row_len = row_codes.shape[0], col_codes.shape[0]
+        if levels.shape != (rank, 4) or row_codes.shape[1] != rank or col_codes.shape[1] != rank:
+            raise ValueError("a sign model's fields disagree on its rank")
+        if n_rows < 2 or row_len % ROW_ALIGN or not row_len:
+            raise ValueError(f"no sign model fits a {n_rows} x {row_len} matrix")
+        if int(row_codes.max(initial=0)) >> bits or int(col_codes.max(initial=0)) >> bits:
+            raise ValueError(f"a sign model's codes exceed {bits} bits")
+        return cls(rank, bits, levels.copy(), row_codes.copy(), col_codes.copy())
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The (n_rows, row_len) of the matrix it models."""
+        return self.row_codes.shape[0], self.col_codes.shape[0]
+
     def to_bytes(self) -> bytes:
         """The model's bytes in a payload: model byte, levels, row codes, column codes."""
         out = bytearray([(self.bits << 4) | self.rank])
         if self.bits == 2:
             out += self.levels.astype(np.uint8).tobytes()
         return bytes(out) + _pack(self.row_codes, self.bits) + _pack(self.col_codes, self.bits)
+
+
+@dataclass
+class FitMemory:
+    """What :func:`fit` keeps of one matrix (one tensor part) from one call to the next: the model
+    it returned last, and how many fits in a row started from a previous model. Encoder-side
+    only: every payload still carries its whole model, and the decoder needs nothing else."""
+
+    model: SignModel | None = None
+    warm_fits: int = 0
 
 
 def _pack(codes: np.ndarray, bits: int) -> bytes:
@@ -247,7 +289,11 @@ def _refine(model: SignModel, rows: np.ndarray, cols: np.ndarray, negative: np.n
 
 
 def fit(
-    shape: tuple[int, int], rows: np.ndarray, cols: np.ndarray, negative: np.ndarray
+    shape: tuple[int, int],
+    rows: np.ndarray,
+    cols: np.ndarray,
+    negative: np.ndarray,
+    memory: FitMemory | None = None,
 ) -> tuple[SignModel, np.ndarray] | None:
     """A sign model of a matrix's changes, or None when raw sign bits are cheaper: one factor of
     one bit per entry where the signs show one pattern, else as many factors as the shape allows
@@ -256,11 +302,39 @@ def fit(
 
     ``shape`` is the matrix's (n_rows, row_len); ``rows`` and ``cols`` are the changed elements'
     coordinates, ``negative`` whether each step is negative. Returns the model and, per changed
-    element, whether it predicts a negative step."""
+    element, whether it predicts a negative step. With a ``memory`` of the same matrix's last
+    step, the fit starts from its model while that still pays (at most WARM_FITS times in a row),
+    and the memory keeps what this call returns."""
     n = rows.size
     n_rows, row_len = shape
     if n < MIN_CHANGES or row_len % ROW_ALIGN or n_rows < 2:
         return None
+    if memory is None:
+        return _fit_new(shape, rows, cols, negative)
+    last = memory.model
+    if last is not None and memory.warm_fits < WARM_FITS and last.shape == (n_rows, row_len):
+        model, predicted = _refine(last, rows, cols, negative)
+        if _model_bits(model, predicted, negative) < n - 8 * 64.0:  # it still saves 64 bytes
+            memory.model, memory.warm_fits = model, memory.warm_fits + 1
+            return model, predicted
+    fitted = _fit_new(shape, rows, cols, negative)
+    memory.model, memory.warm_fits = (fitted[0] if fitted else None), 0
+    return fitted
+
+
+def _model_bits(model: SignModel, predicted: np.ndarray, negative: np.ndarray) -> float:
+    """The bits of the signs under ``model``: its flips and its own section."""
+    n_rows, row_len = model.shape
+    flips = int(np.count_nonzero(predicted != negative))
+    return _flip_bits(flips, negative.size) + 8 * section_size(n_rows, row_len, model.rank, model.bits)
+
+
+def _fit_new(
+    shape: tuple[int, int], rows: np.ndarray, cols: np.ndarray, negative: np.ndarray
+) -> tuple[SignModel, np.ndarray] | None:
+    """:func:`fit` from scratch: a seeded randomized SVD of the signs, then its codes refined."""
+    n = rows.size
+    n_rows, row_len = shape
     a, b, s = _top_factors(shape, rows, cols, negative, min(MAX_RANK, n_rows, row_len))
     noise = np.sqrt(n / n_rows) + np.sqrt(n / row_len)  # the top singular value of random signs, about
     if s[0] < noise:
@@ -284,9 +358,7 @@ def fit(
     best_bits, best = n - 8 * 64.0, None  # a model must save 64 bytes
     for start in starts:
         model, predicted = _refine(start, rows, cols, negative)  # it sets every row's codes first
-        bits = _flip_bits(int(np.count_nonzero(predicted != negative)), n) + 8 * section_size(
-            n_rows, row_len, model.rank, model.bits
-        )
+        bits = _model_bits(model, predicted, negative)
         if bits < best_bits:
             best_bits, best = bits, (model, predicted)
     return best
