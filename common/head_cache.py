@@ -50,6 +50,13 @@ def cache_file(folder: str | os.PathLike[str], store_url: str, run_id: str | Non
     return Path(folder).expanduser() / key / (run_id or "no-run") / f"head-rank-{rank:05d}.safetensors"
 
 
+def memory_file(path: Path) -> Path:
+    """Where the publisher keeps its encoder's memory (:class:`delta_swap.codec.EncoderMemory`)
+    beside the head cache ``path``: the sign models it fitted last, so that the next process's
+    fits start from them."""
+    return path.with_name(path.name.removesuffix(".safetensors") + ".encoder.npz")
+
+
 def save(path: Path, state: StateDict, manifest_snapshot_id: str) -> None:
     """Replace the cached head with ``state`` (of snapshot ``manifest_snapshot_id``), atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -37,6 +37,7 @@ import threading
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -170,6 +171,7 @@ class _Prepared:
     data: bytes | memoryview
     before: _ChainState
     run_id: str | None
+    encoder_memory: codec.EncoderMemory  # as this step's encode left it (the next one changes it)
 
 
 class Publisher:
@@ -222,6 +224,7 @@ class Publisher:
         self._prev_id: str | None = None
         self._last_base_step: int | None = None
         self._resumed = False
+        self._encoder_memory = codec.EncoderMemory()  # each tensor's last sign models: faster fits
         #: The run this publisher writes (known after the first publish).
         self.run_id: str | None = config.run_id
         self._thread = threading.Thread(target=self._run, name=f"delta-swap-publisher-{config.rank}", daemon=True)
@@ -392,7 +395,8 @@ class Publisher:
             self._last_base_step = job.step
         # The next step is encoded against this one while this one uploads.
         self._prev_state, self._prev_id = job.state, snapshot_id
-        return _Prepared(job, snapshot_id, prev_id, part, data, before, self.run_id)
+        memory = self._encoder_memory.copy() if cfg.head_cache is not None else self._encoder_memory
+        return _Prepared(job, snapshot_id, prev_id, part, data, before, self.run_id, memory)
 
     async def _upload(self, store: Store, part: Part, data: bytes | memoryview) -> None:
         """Store a part's shard (one per part) and side files, before anything commits it."""
@@ -410,7 +414,9 @@ class Publisher:
         saving = None
         if cfg.head_cache is not None:
             saving = asyncio.ensure_future(
-                asyncio.to_thread(self._save_head, store, job.state, snapshot_id, prepared.run_id)
+                asyncio.to_thread(
+                    self._save_head, store, job.state, snapshot_id, prepared.run_id, prepared.encoder_memory
+                )
             )
         committed: Manifest | None = None
         try:
@@ -478,6 +484,7 @@ class Publisher:
                 else:
                     log.info("delta-swap: continuing after %s from the cached head in %s", head.snapshot_id, path)
                     self._prev_state, self._prev_id = cached, head.snapshot_id
+                    await asyncio.to_thread(self._load_encoder_memory, head_cache.memory_file(path))
                     return
         limit = cfg.max_model_bytes or 2 * cfg.world_size * sum(t.nbytes for t in job.state.values())
         try:
@@ -583,7 +590,7 @@ class Publisher:
             (name, new, codec.tensor_parts(math.prod(new.shape), new.shape, cfg.codec))
             for name, new in job.state.items()
         ]
-        encoded = self._in_order(lambda work: work(), _encode_jobs(plan, prev, cfg.codec))
+        encoded = self._in_order(lambda work: work(), _encode_jobs(plan, prev, cfg.codec, self._encoder_memory))
         try:
             for name, new, parts in plan:
                 digest, payload = _joined(next(encoded), encoded, prev[name], new, parts, cfg.codec)
@@ -626,14 +633,28 @@ class Publisher:
             self._pool = ThreadPoolExecutor(self.encode_threads, thread_name_prefix="delta-swap-encode")
         return _ordered(self._pool, work, items, 2 * self.encode_threads)
 
-    def _save_head(self, store: Store, state: StateDict, snapshot_id: str, run_id: str | None) -> None:
-        """Keep ``state`` as the head cache of run ``run_id`` (best effort: a failure is logged)."""
+    def _save_head(
+        self, store: Store, state: StateDict, snapshot_id: str, run_id: str | None, memory: codec.EncoderMemory
+    ) -> None:
+        """Keep ``state`` as the head cache of run ``run_id``, and the encoder's ``memory`` beside it
+        (best effort: a failure is logged)."""
         assert self.config.head_cache is not None
         path = head_cache.cache_file(self.config.head_cache, store.public_url, run_id, self.config.rank)
         try:
             head_cache.save(path, state, snapshot_id)
+            memory.save(head_cache.memory_file(path))
         except OSError as exc:
             log.warning("delta-swap: cannot write the head cache %s: %s", path, exc)
+
+    def _load_encoder_memory(self, path: Path) -> None:
+        """Take the sign models a previous process kept beside the head cache (a hint for the
+        encoder only: a file that is missing or not one is logged and ignored)."""
+        try:
+            self._encoder_memory = codec.EncoderMemory.load(path)
+        except FileNotFoundError:
+            pass
+        except (OSError, CorruptDataError) as exc:
+            log.warning("delta-swap: ignoring the encoder memory beside the head cache: %s", exc)
 
     async def _full_part(self, job: _Job, snapshot_id: str, prev_id: str | None) -> tuple[Part, memoryview]:
         """This rank's tensors as one safetensors shard, with rank 0's side files (not uploaded)."""
@@ -680,30 +701,34 @@ def allowed_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _encode_delta(old: HostTensor, new: HostTensor, config: codec.CodecConfig) -> tuple[str, bytes | None]:
+def _encode_delta(
+    old: HostTensor, new: HostTensor, config: codec.CodecConfig, memory: codec.TensorMemory
+) -> tuple[str, bytes | None]:
     """The checksum of ``new`` and its payload against ``old`` (None when it did not change)."""
     digest = checksum(new.data)
     if np.array_equal(old.data, new.data):
         return digest, None
-    return digest, codec.encode_tensor_delta(old.data, new.data, new.dtype, config, shape=new.shape)
+    return digest, codec.encode_tensor_delta(old.data, new.data, new.dtype, config, new.shape, memory)
 
 
 Plan = list[tuple[str, HostTensor, list[tuple[int, int]]]]
 
 
-def _encode_jobs(plan: Plan, prev: StateDict, config: codec.CodecConfig) -> Iterator[Callable[[], Any]]:
+def _encode_jobs(
+    plan: Plan, prev: StateDict, config: codec.CodecConfig, memory: codec.EncoderMemory
+) -> Iterator[Callable[[], Any]]:
     """The encode work of a step, in the plan's order: a tensor in one piece is one job (checksum
     and payload); a tensor in parts (:func:`codec.tensor_parts`) is one job for its checksum and
     whether it changed, then one per part (None where the part did not change), so that threads
-    share a large tensor."""
+    share a large tensor. ``memory`` keeps each tensor's sign models for the next step."""
     for name, new, parts in plan:
         old = prev[name]
         if len(parts) == 1:
-            yield functools.partial(_encode_delta, old, new, config)
+            yield functools.partial(_encode_delta, old, new, config, memory.tensor(name))
             continue
         yield functools.partial(_checksum_and_changed, old, new)
         for part in parts:
-            yield functools.partial(_encode_changed_part, old, new, part, config)
+            yield functools.partial(_encode_changed_part, old, new, part, config, memory.tensor(name))
 
 
 def _checksum_and_changed(old: HostTensor, new: HostTensor) -> tuple[str, bool]:
@@ -711,13 +736,13 @@ def _checksum_and_changed(old: HostTensor, new: HostTensor) -> tuple[str, bool]:
 
 
 def _encode_changed_part(
-    old: HostTensor, new: HostTensor, part: tuple[int, int], config: codec.CodecConfig
+    old: HostTensor, new: HostTensor, part: tuple[int, int], config: codec.CodecConfig, memory: codec.TensorMemory
 ) -> bytes | None:
     width = dtype_size(new.dtype)
     start, stop = part[0] * width, part[1] * width
     if np.array_equal(old.data[start:stop], new.data[start:stop]):
         return None
-    return codec.encode_part(old.data, new.data, new.dtype, part, config, new.shape)
+    return codec.encode_part(old.data, new.data, new.dtype, part, config, new.shape, memory)
 
 
 def _joined(

@@ -23,7 +23,7 @@ from delta_swap.manifest import snapshot_id_for_step
 from delta_swap.publisher import Publisher, PublisherConfig
 from delta_swap.rebuild import rebuild
 from delta_swap.stores import FileStore
-from tests.support.chains import assert_state_equal, rl_steps
+from tests.support.chains import assert_state_equal, momentum_steps, rl_steps
 
 
 def _publish(store_dir, steps, **cfg) -> list[str]:
@@ -80,6 +80,32 @@ async def test_stores_of_every_earlier_format_version_still_rebuild(tmp_path) ->
         for i, expected in enumerate(steps):
             assert_state_equal((await rebuild(FileStore(root), ids[i]))[1], expected)
     assert (3, 3) not in methods and (4, 3) in methods  # split payloads (method 3) in the new store only
+
+
+async def test_the_publisher_fits_a_sign_model_once_per_part_and_refines_it_after(tmp_path, monkeypatch) -> None:
+    """The publisher keeps each tensor's sign models, per part, from one step to the next: matrices
+    whose steps keep their sign pattern get one new fit per part (the first delta), refinements of
+    it after, and every snapshot still rebuilds bit-exact."""
+    from delta_swap import codec_warm_up
+    from delta_swap.codec import CodecConfig
+    from delta_swap.codec.v2 import FLAG_SIGN_MODEL, sign_model, split_parts
+
+    codec_warm_up.start_warm_up().join()  # its sample payloads fit models too: not during the test
+    new_fits: list[tuple[int, int]] = []
+    fit_new = sign_model._fit_new
+    monkeypatch.setattr(sign_model, "_fit_new", lambda shape, *args: new_fits.append(shape) or fit_new(shape, *args))
+    steps = momentum_steps(5, {"a.weight": (256, 512), "b.weight": (384, 512)})
+    ids = _publish(tmp_path, steps, base_every=10, codec=CodecConfig(part_elements=1 << 16))
+    assert new_fits == [(128, 512)] * 5  # a in 2 parts of 128 rows, b in 3; at the first delta only
+    store = FileStore(tmp_path)
+    for m in (await ChainReader(store).list())[1:]:
+        data = (tmp_path / store_keys.shard_key(m.snapshot_id, m.shards[0].name)).read_bytes()
+        for t in m.tensors:
+            parts = split_parts(memoryview(data)[t.offset : t.offset + t.length])
+            assert len(parts) == (2 if t.name == "a.weight" else 3)
+            assert all(part[6] == FLAG_SIGN_MODEL for _, _, part in parts)
+    for i, expected in enumerate(steps):
+        assert_state_equal((await rebuild(store, ids[i]))[1], expected)
 
 
 async def test_shape_change_and_large_delta_force_a_base(tmp_path) -> None:

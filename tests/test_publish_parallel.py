@@ -21,7 +21,7 @@ from delta_swap.publisher import Publisher, PublisherConfig, allowed_cores
 from delta_swap.rebuild import rebuild
 from delta_swap.safetensors_io import parse_header
 from delta_swap.stores import FileStore
-from tests.support.chains import assert_state_equal, rl_steps
+from tests.support.chains import assert_state_equal, momentum_steps, rl_steps
 
 #: More tensors than twice the threads below, of several sizes, so results arrive out of order.
 SHAPES = {f"layers.{i}.w": (16 + 8 * (i % 5), 64) for i in range(14)} | {"norm.weight": (64,)}
@@ -168,6 +168,37 @@ async def test_a_bad_cache_is_logged_and_the_head_rebuilt(tmp_path, caplog, dama
     _publish_one(store, 3, steps[3], head_cache=str(cache), base_every=10)  # the cache is good again
     manifests = await ChainReader(FileStore(store)).list()
     assert [m.kind for m in manifests] == ["base", "delta", "delta", "delta"]
+    for i, expected in enumerate(steps):
+        assert_state_equal((await rebuild(FileStore(store), f"step-{i:010d}"))[1], expected)
+
+
+async def test_a_process_per_step_keeps_the_encoders_memory_beside_its_head_cache(
+    tmp_path, monkeypatch, caplog
+) -> None:
+    """The sign models a publish fitted are kept beside the head cache, so the next process's
+    fits start from them as a long-lived publisher's do; a damaged file is logged and ignored."""
+    from delta_swap import codec_warm_up
+    from delta_swap.codec.v2 import sign_model
+
+    codec_warm_up.start_warm_up().join()  # its sample payloads fit models too: not during the test
+    new_fits: list[tuple[int, int]] = []
+    fit_new = sign_model._fit_new
+    monkeypatch.setattr(sign_model, "_fit_new", lambda shape, *args: new_fits.append(shape) or fit_new(shape, *args))
+    steps = momentum_steps(5, {"layers.0.w": (256, 512)})
+    store, cache = tmp_path / "store", tmp_path / "cache"
+    _publish(store, steps[:2], base_every=10, head_cache=str(cache))
+    memory_file = head_cache.memory_file(_cache_file(cache, store))
+    assert new_fits == [(256, 512)] and memory_file.is_file()
+    _publish_one(store, 2, steps[2], head_cache=str(cache), base_every=10)
+    assert new_fits == [(256, 512)]  # the second process refined the first one's model
+    memory_file.write_bytes(b"not an encoder memory")
+    with caplog.at_level(logging.WARNING, logger="delta_swap"):
+        _publish_one(store, 3, steps[3], head_cache=str(cache), base_every=10)
+    assert "ignoring the encoder memory" in caplog.text and len(new_fits) == 2
+    _publish_one(store, 4, steps[4], head_cache=str(cache), base_every=10)
+    assert len(new_fits) == 2
+    manifests = await ChainReader(FileStore(store)).list()
+    assert [m.kind for m in manifests] == ["base"] + ["delta"] * 4
     for i, expected in enumerate(steps):
         assert_state_equal((await rebuild(FileStore(store), f"step-{i:010d}"))[1], expected)
 

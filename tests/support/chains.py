@@ -26,6 +26,23 @@ def rl_steps(
     return out
 
 
+def momentum_steps(n_steps: int, shapes: dict[str, tuple[int, int]], lr: float = 2e-5) -> list[dict[str, torch.Tensor]]:
+    """bf16 snapshots of fp32 matrices that move along one sign pattern each (an outer product's,
+    as a momentum does), by random amounts."""
+    gen = torch.Generator().manual_seed(1)
+    master = {k: torch.randn(s, generator=gen) * 0.02 for k, s in shapes.items()}
+    pattern = {
+        k: torch.outer(torch.randn(s[0], generator=gen), torch.randn(s[1], generator=gen)).sign()
+        for k, s in shapes.items()
+    }
+    out = []
+    for _ in range(n_steps):
+        for k, v in master.items():
+            v += lr * pattern[k] * torch.rand(v.shape, generator=gen)
+        out.append({k: v.to(torch.bfloat16) for k, v in master.items()})
+    return out
+
+
 def assert_state_equal(state, expected: dict[str, torch.Tensor]) -> None:
     """``state`` (name -> HostTensor) holds exactly ``expected``'s tensors, bit for bit."""
     assert set(state) == set(expected)
