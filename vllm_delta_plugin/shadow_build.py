@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from delta_swap.errors import ChecksumMismatchError
+from delta_swap.fresh_pages import zeroed_host_tensor
 from delta_swap.loader_redirect import scratch_of
 from delta_swap.readback import ExpertsCheck
 from delta_swap.shadow import ShadowUnsupported, build_shadows, shallow_copy
@@ -221,8 +222,11 @@ def _materialized(
 ) -> torch.Tensor:
     """A zeroed tensor of the recorded ``meta`` tensor's shape, class and attributes, its loader
     methods bound to ``shadow`` (vLLM's record leaves them bound to a sentinel or to ``module``)."""
-    with device:
-        tensor = torch.empty_strided(tuple(meta.size()), tuple(meta.stride()), dtype=meta.dtype).zero_()
+    if torch.device(device).type == "cpu":  # fresh zero pages, huge where the kernel allows (one pass, not two)
+        tensor = zeroed_host_tensor(tuple(meta.size()), tuple(meta.stride()), meta.dtype)
+    else:
+        with device:
+            tensor = torch.empty_strided(tuple(meta.size()), tuple(meta.stride()), dtype=meta.dtype).zero_()
     tensor.__class__ = meta.__class__
     attrs = meta.__dict__.copy()
     for key, value in attrs.items():
