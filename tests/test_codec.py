@@ -3,6 +3,7 @@ stored v1 payloads that must keep decoding bit-exact, and rejection of crafted p
 
 from __future__ import annotations
 
+import json
 import struct
 from concurrent.futures import ThreadPoolExecutor
 
@@ -396,6 +397,11 @@ def test_encoder_memory_files_round_trip_and_refuse_what_fit_would_not_make(rng,
         np.savez(path, **{**arrays, field: bad})
         with pytest.raises(CorruptDataError, match="not an encoder memory"):
             codec.EncoderMemory.load(path)
+    index = json.loads(arrays["index"].tobytes())
+    index["entries"][0][3] = float(index["entries"][0][3])  # a rank that is not an int
+    np.savez(path, **{**arrays, "index": np.frombuffer(json.dumps(index).encode(), np.uint8)})
+    with pytest.raises(CorruptDataError, match="malformed"):
+        codec.EncoderMemory.load(path)
     for data in (b"", b"garbage", b"PK\x03\x04 truncated"):
         path.write_bytes(data)
         with pytest.raises(CorruptDataError, match="not an encoder memory"):

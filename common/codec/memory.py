@@ -93,7 +93,7 @@ class EncoderMemory:
                 if not isinstance(index, dict) or index.get("format") != _FORMAT:
                     raise ValueError("not an encoder memory of this version")
                 for i, (name, start, warm_fits, rank, bits) in enumerate(index["entries"]):
-                    if not isinstance(name, str) or not all(isinstance(x, int) for x in (start, warm_fits)):
+                    if not isinstance(name, str) or not all(type(x) is int for x in (start, warm_fits, rank, bits)):
                         raise ValueError(f"entry {i} is malformed")
                     model = SignModel.checked(rank, bits, arrays[f"l{i}"], arrays[f"r{i}"], arrays[f"c{i}"])
                     memory.tensor(name)[start] = FitMemory(model, max(0, warm_fits))
