@@ -7,7 +7,8 @@ point here::
     format   codec/                 the lossless tensor codec behind one facade (codec/__init__):
                                     v2/ writes DSC2 (wire, bitio, encode_kernels, decode_kernels,
                                     parse, encoder, decoder, sign_model, select_apply, jit, samples),
-                                    v1 reads DSC1 (old stores), zstd_frames, inputs
+                                    v1 reads DSC1 (old stores), zstd_frames, inputs, memory (the
+                                    encoder's sign models kept from one step to the next)
              codec_warm_up          the codec's kernels compiled in a child process at start, then
                                     LLVM's pages given back
              manifest               snapshot manifest, SnapshotKind, Encoding, validation
@@ -44,6 +45,7 @@ point here::
              undo                   taking a failed swap back, and whether that worked
              inplace                writing only the changed elements into live parameters, with
                                     an undo log (swap_path=inplace)
+             fresh_pages            zeroed host tensors on fresh (huge) pages, for shadow builds
              shadow                 building changed modules processed before the pause and
                                     switching them in it (swap_path=shadow)
              param_switch           new tensors of the changed plain parameters built before the
