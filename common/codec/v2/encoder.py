@@ -10,6 +10,7 @@ import numpy as np
 from ...dtypes import DTYPE_SIZES
 from ...errors import ConfigError
 from ..inputs import raw_bytes
+from ..memory import TensorMemory  # per part, by its first element: sign_model.FitMemory
 from . import sign_model
 from .encode_kernels import (
     by_class,
@@ -69,10 +70,6 @@ SAMPLE_STEP = 8
 #: 16 MiB; a part's own headers (class records, tables, a sign model's column codes) cost well under
 #: 1% of its payload at RL deltas' sizes.
 PART_ELEMENTS = 1 << 23
-
-#: What the encoder keeps of one tensor from one step to the next (:class:`sign_model.FitMemory`
-#: per part, by the part's first element): pass the same dict for the same tensor every step.
-TensorMemory = dict[int, sign_model.FitMemory]
 
 
 def _part_memory(memory: TensorMemory | None, start: int) -> sign_model.FitMemory | None:
