@@ -551,7 +551,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _wait_for_codec_warm_up(quiet: bool) -> None:
     """Wait for the codec warm-up a publisher started in this process (it compiles in a child
-    process, which would otherwise outlive the command and keep compiling, orphaned). Cold, once
+    process, which the exit would stop: the next command would then compile again). Cold, once
     per machine, this is the codec's compile; with its cache, under a second."""
     for thread in threading.enumerate():
         if thread.name == WARM_UP_THREAD and thread.is_alive():

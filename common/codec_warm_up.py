@@ -1,11 +1,13 @@
 """Warming up the codec in the background: its kernels compiled in a child process, loaded here,
 and LLVM's pages given back afterwards. The codec itself only compiles (:func:`.codec.warm_up`);
 servers and publishers call :func:`start_warm_up` when they start so the first delta they handle
-does not wait for the JIT.
+does not wait for the JIT. A process that exits meanwhile stops the child and waits for a load
+under way (:func:`_stop_at_exit`): it neither leaves a compile behind nor exits under LLVM's feet.
 """
 
 from __future__ import annotations
 
+import atexit
 import subprocess
 import sys
 import threading
@@ -16,28 +18,79 @@ from .host_memory import page_out_library
 #: The name of the thread :func:`start_warm_up` runs (the CLI waits for it before it exits).
 WARM_UP_THREAD = "delta-swap-codec-warm-up"
 
+#: How long a warm-up child may compile before it is given up (the JIT then runs here).
+CHILD_TIMEOUT_S = 900
+
 _lock = threading.Lock()
 _threads: dict[bool, threading.Thread] = {}
+_exiting = False
+_children: set[subprocess.Popen] = set()  # compiling now
+_loading: set[threading.Thread] = set()  # loading (or compiling) the kernels in this process now
 
 
-def _run(encoder: bool) -> None:
+def _compile_in_child(encoder: bool) -> None:
+    """Fill numba's cache from a child process at a lower priority; any failure leaves the JIT to
+    this process. The child is stopped if this process exits first."""
+    code = f"import os; os.nice(10); from delta_swap import codec; codec.warm_up({encoder})"
     try:
-        code = f"import os; os.nice(10); from delta_swap import codec; codec.warm_up({encoder})"
-        subprocess.run(
+        child = subprocess.Popen(
             [sys.executable, "-c", code],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            timeout=900,
-            check=False,
         )
-    except (OSError, subprocess.SubprocessError):  # then this process compiles, as it would anyway
-        pass
+    except OSError:
+        return
+    with _lock:
+        _children.add(child)
+        if _exiting:
+            child.kill()
+    try:
+        child.wait(timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+    finally:
+        with _lock:
+            _children.discard(child)
+
+
+def _run(encoder: bool) -> None:
+    _compile_in_child(encoder)
+    me = threading.current_thread()
+    with _lock:
+        if _exiting:  # the process is going: it needs no kernels now
+            return
+        _loading.add(me)
     try:
         codec.warm_up(encoder)
+        page_out_library("llvmlite")  # LLVM ran to load the kernels; decoding does not need it
     except Exception:  # noqa: BLE001 - best effort: decoding works without it
         return
-    page_out_library("llvmlite")  # LLVM ran to load the kernels; decoding does not need it
+    finally:
+        with _lock:
+            _loading.discard(me)
+
+
+def _stop_at_exit() -> None:
+    """At interpreter exit (atexit runs before finalization, daemon threads still alive): stop the
+    compiling children, and wait for a load under way in this process. A daemon thread left inside
+    numba/LLVM while the interpreter and the C++ runtime tear down can abort the process (SIGABRT,
+    "terminate called without an active exception"), which a trainer's launcher reports as a
+    failed rank."""
+    global _exiting
+    with _lock:
+        _exiting = True
+        children, loading = list(_children), list(_loading)
+    for child in children:
+        child.terminate()  # numba writes a cache file to a temporary name and renames it: no torn entry
+    for child in children:
+        try:
+            child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+    for thread in loading:
+        thread.join()
 
 
 def start_warm_up(encoder: bool = True) -> threading.Thread:
@@ -54,6 +107,8 @@ def start_warm_up(encoder: bool = True) -> threading.Thread:
     with _lock:
         thread = _threads.get(encoder) or _threads.get(True)
         if thread is None:
+            if not _threads:
+                atexit.register(_stop_at_exit)
             thread = threading.Thread(target=_run, args=(encoder,), name=WARM_UP_THREAD, daemon=True)
             thread.start()
             _threads[encoder] = thread

@@ -1,10 +1,13 @@
 """The codec's background warm-up (delta_swap.codec_warm_up): once per process, reported done,
-and LLVM paged out of a server once the kernels are loaded."""
+LLVM paged out of a server once the kernels are loaded, and a process that exits meanwhile exits
+cleanly: its compiling child stopped, a load under way finished first."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -18,6 +21,68 @@ def test_warm_up_runs_once_per_process_and_reports_when_done() -> None:
     assert codec_warm_up.start_warm_up(encoder=False) is first  # once per process
     first.join(timeout=120)
     assert not first.is_alive() and codec_warm_up.warmed_up()
+
+
+_EXIT_WHILE_THE_CHILD_COMPILES = """
+import time
+from delta_swap import codec_warm_up
+codec_warm_up.start_warm_up(encoder=True)
+while not codec_warm_up._children:
+    time.sleep(0.05)
+print(next(iter(codec_warm_up._children)).pid, flush=True)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_process_exiting_while_its_warm_up_compiles_stops_the_child(tmp_path) -> None:
+    """A trainer that ends before the codec's first compile (a cold cache: ~30 s) exits at once and
+    cleanly, leaving no compile behind."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cold-cache")}
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_WHILE_THE_CHILD_COMPILES], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert time.monotonic() - started < 20, "the exit waited for the compile"
+    assert _gone(int(done.stdout.split()[-1])), "the warm-up's compile outlived the process"
+
+
+_EXIT_WHILE_KERNELS_LOAD = """
+import sys, time
+from pathlib import Path
+from delta_swap import codec, codec_warm_up
+
+def no_child(*args, **kwargs):
+    raise OSError("no child here: the kernels load in this process")
+
+def slow_load(encoder):
+    time.sleep(1.5)
+    Path(sys.argv[1]).write_text("loaded")
+
+codec_warm_up.subprocess.Popen = no_child
+codec.warm_up = slow_load
+codec_warm_up.start_warm_up(encoder=False)
+time.sleep(0.3)  # then exit, with the load under way
+"""
+
+
+def test_a_process_exiting_while_kernels_load_waits_for_the_load(tmp_path) -> None:
+    """Exiting with a daemon thread inside numba/LLVM can abort the process in the C++ runtime's
+    teardown (SIGABRT; a failed rank to torchrun): the exit waits for the load instead."""
+    marker = tmp_path / "loaded"
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_WHILE_KERNELS_LOAD, str(marker)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert marker.exists(), "the process exited in the middle of the warm-up's load"
 
 
 _LLVM_RESIDENT = """
