@@ -3,7 +3,7 @@ server serving the new weights, against model size and the number of cores, besi
 full-checkpoint alternative in the same server.
 
     PYTHONPATH=$(bash scripts/import_root.sh):. python -m benchmarks.scale [--sizes 0.1G 0.5G 1G 2G 3G]
-        [--cores 1 2] [--steps 2] [--level 2] [--workdir DIR]
+        [--cores 1 2] [--steps 2] [--level 2] [--swap-paths auto arena] [--workdir DIR]
 
 Models are random Llama checkpoints (hidden 2048, MLP 5632, 16 heads of which 4 for k/v, vocab
 512: ~90 MB of bf16 per layer), so 3G is a 1.5B-parameter model, the largest that fits this
@@ -24,6 +24,11 @@ folder, then vLLM's own ``reload_weights`` from it. Peak host memory: the traine
 (``ru_maxrss``, which includes the trainer's own copy of the weights) and the server's (the sum of
 ``VmHWM`` over its process tree). Prints the CPU and its flags, a table of medians, writes
 docs/scale.png and a JSON of every measurement. ``tests/test_scale_smoke.py`` runs a CI-sized one.
+
+The server swaps on the path its CPU gives it (``auto``: the arena where vLLM keeps plain weights,
+the shadow build where it repacks them for oneDNN or AMX); ``--swap-paths`` runs each (size,
+cores) once per path asked (``Settings.swap_path``: ``arena`` makes vLLM keep plain weights on any
+CPU), and the table says which path each server took.
 """
 
 from __future__ import annotations
@@ -86,20 +91,24 @@ def tree_peak_rss(pid: int) -> int:
     return total
 
 
-def measure_one(size: str, cores: int, work: Path, steps: int, level: int) -> dict:
-    """One (size, cores) run in this process (already pinned by the caller)."""
+def measure_one(size: str, cores: int, work: Path, steps: int, level: int, swap_path: str = "auto") -> dict:
+    """One (size, cores) run in this process (already pinned by the caller), its server asked for
+    ``swap_path``."""
     model = make_model(work / "models", size)
-    run = work / f"{size}-{cores}core"
+    run = work / f"{size}-{cores}core-{swap_path}"
     started = time.perf_counter()
     config = PublisherConfig(base_every=10_000, codec=CodecConfig(level=level))  # every allowed core
     trainer = Trainer(model, run / "store", publisher_config=config)  # publishes the base (untimed)
     base_s = time.perf_counter() - started
     row: dict = {"size": size, "cores": cores, "level": level, "model_bytes": model_bytes(model), "base_s": base_s}
+    row["asked_swap_path"] = swap_path
     row |= {"steps": [], "encode_threads": trainer.publisher.encode_threads}
     try:
-        with engine_server("vllm", model, run / "server", store=run / "store") as server:
+        settings = {"swap_path": swap_path}
+        with engine_server("vllm", model, run / "server", store=run / "store", settings=settings) as server:
             st = wait_ready(server.url)
             row["swap_path"] = st.get("swap_path")
+            row["swap_path_reason"] = st.get("swap_path_reason")
             for i in range(steps):
                 trainer.advance()
                 start = time.perf_counter()
@@ -130,12 +139,13 @@ def measure_one(size: str, cores: int, work: Path, steps: int, level: int) -> di
     return row
 
 
-def run_pinned(size: str, cores: int, work: Path, steps: int, level: int) -> dict:
+def run_pinned(size: str, cores: int, work: Path, steps: int, level: int, swap_path: str = "auto") -> dict:
     """:func:`measure_one` in a child process pinned to the first ``cores`` allowed cores."""
     allowed = sorted(os.sched_getaffinity(0))[:cores]
-    out = work / f"{size}-{cores}core.json"
+    out = work / f"{size}-{cores}core-{swap_path}.json"
     cmd = [sys.executable, "-m", "benchmarks.scale", "--one", size, "--cores", str(cores)]
     cmd += ["--steps", str(steps), "--level", str(level), "--workdir", str(work), "--json", str(out)]
+    cmd += ["--swap-paths", swap_path]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, allowed))}
     subprocess.run(cmd, check=True, env=env, preexec_fn=lambda: os.sched_setaffinity(0, allowed))
     return json.loads(out.read_text())
@@ -146,7 +156,7 @@ def _median(row: dict, get) -> float:
 
 
 def summarize(rows: list[dict]) -> list[str]:
-    head = f"{'size':>5} {'MB':>6} {'cores':>5} {'publish s':>9} {'MB/s':>6}"
+    head = f"{'size':>5} {'MB':>6} {'cores':>5} {'path':>6} {'publish s':>9} {'MB/s':>6}"
     head += "".join(f" {p + ' s':>9}" for p in SERVER_PHASES)
     head += f" {'->serving s':>11} {'write s':>8} {'reload s':>8} {'full s':>7} {'ratio':>6}"
     head += f" {'trainer GB':>10} {'server GB':>9}"
@@ -156,7 +166,8 @@ def summarize(rows: list[dict]) -> list[str]:
         publish = _median(r, lambda s: s["publish_s"])
         serving = _median(r, lambda s: s["serving_s"])
         full = _median(r, lambda s: s["write_s"] + s["reload_s"])
-        line = f"{r['size']:>5} {mb:>6.0f} {r['cores']:>5} {publish:>9.2f} {mb / publish:>6.0f}"
+        path = r.get("swap_path") or "-"
+        line = f"{r['size']:>5} {mb:>6.0f} {r['cores']:>5} {path:>6} {publish:>9.2f} {mb / publish:>6.0f}"
         line += "".join(f" {_median(r, lambda s, p=p: s['server'].get(p, 0.0)):>9.2f}" for p in SERVER_PHASES)
         line += (
             f" {serving:>11.2f} {_median(r, lambda s: s['write_s']):>8.2f} {_median(r, lambda s: s['reload_s']):>8.2f}"
@@ -174,27 +185,30 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for cores, color in ((1, "tab:blue"), (2, "tab:orange")):
-        mine = sorted((r for r in rows if r["cores"] == cores), key=lambda r: r["model_bytes"])
-        if not mine:
-            continue
+    colors = iter(("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"))
+    for cores, taken in sorted({(r["cores"], r.get("swap_path") or "-") for r in rows}):
+        mine = sorted(
+            (r for r in rows if r["cores"] == cores and (r.get("swap_path") or "-") == taken),
+            key=lambda r: r["model_bytes"],
+        )
+        color, which = next(colors, "tab:gray"), f"{cores} core(s), {taken} path"
         x = [r["model_bytes"] / 1e9 for r in mine]
         ax.plot(
             x,
             [_median(r, lambda s: s["serving_s"]) for r in mine],
             "o-",
             color=color,
-            label=f"{cores} core(s): delta publish -> serving",
+            label=f"{which}: publish -> serving",
         )
         ax.plot(
             x,
             [_median(r, lambda s: s["publish_s"]) for r in mine],
             "^:",
             color=color,
-            label=f"{cores} core(s): of which publish",
+            label=f"{which}: of which publish",
         )
         full = [_median(r, lambda s: s["write_s"] + s["reload_s"]) for r in mine]
-        ax.plot(x, full, "s--", color=color, label=f"{cores} core(s): write checkpoint + vLLM reload")
+        ax.plot(x, full, "s--", color=color, label=f"{which}: write checkpoint + vLLM reload")
     ax.set_xlabel("model size (GB of bf16 weights)")
     ax.set_ylabel("seconds per step")
     ax.set_title("Publish -> serving at scale (one host, file:// store, vLLM CPU)", fontsize=9)
@@ -210,6 +224,13 @@ def main() -> None:
     parser.add_argument("--cores", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--steps", type=int, default=2, help="timed delta steps per run")
     parser.add_argument("--level", type=int, default=2, help="codec level (CodecConfig.level)")
+    parser.add_argument(
+        "--swap-paths",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "arena", "inplace", "shadow", "reload"],
+        help="a server per path asked (Settings.swap_path); the table shows the path taken",
+    )
     parser.add_argument("--workdir", help="models are cached here between runs")
     parser.add_argument("--json", default=str(DOCS / "scale.json"))
     parser.add_argument("--plot", default=str(DOCS / "scale.png"))
@@ -219,7 +240,7 @@ def main() -> None:
         signal.signal(sig, exit_on_signal)  # servers stop on the way out
     work = Path(args.workdir or tempfile.mkdtemp(prefix="delta-swap-scale-"))
     if args.one:
-        row = measure_one(args.one, args.cores[0], work, args.steps, args.level)
+        row = measure_one(args.one, args.cores[0], work, args.steps, args.level, args.swap_paths[0])
         Path(args.json).write_text(json.dumps(row))
         return
     cpu = cpu_flags()
@@ -227,7 +248,8 @@ def main() -> None:
     rows = []
     for size in args.sizes:
         for cores in args.cores:
-            rows.append(run_pinned(size, cores, work, args.steps, args.level))
+            for swap_path in args.swap_paths:
+                rows.append(run_pinned(size, cores, work, args.steps, args.level, swap_path))
             print(summarize(rows)[-1] if len(rows) > 1 else "\n".join(summarize(rows)), flush=True)
     print("\n".join(summarize(rows)))
     Path(args.json).write_text(json.dumps({"cpu": cpu, "rows": rows}, indent=1))

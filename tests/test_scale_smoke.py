@@ -22,6 +22,7 @@ def row(tmp_path_factory) -> dict:
 def test_every_step_is_timed_phase_by_phase_on_one_core(row) -> None:
     assert row["size"] == "tiny" and row["cores"] == 1 and row["level"] == 1
     assert row["encode_threads"] == 1  # the publisher encodes on the cores it may use: one
+    assert row["asked_swap_path"] == "auto" and row["swap_path"] in {"arena", "inplace", "shadow", "reload"}
     assert len(row["steps"]) == 2
     for step in row["steps"]:
         assert step["payload_bytes"] and step["payload_bytes"] < row["model_bytes"] / 5  # a delta, not a base
@@ -36,7 +37,7 @@ def test_the_table_and_the_plot(row, tmp_path) -> None:
     assert (
         "publish s" in header
         and "reload s" in header
-        and line.split()[:3] == ["tiny", f"{row['model_bytes'] / 1e6:.0f}", "1"]
+        and line.split()[:4] == ["tiny", f"{row['model_bytes'] / 1e6:.0f}", "1", row["swap_path"]]
     )
     scale.plot([row], tmp_path / "scale.png")
     assert (tmp_path / "scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
