@@ -22,6 +22,7 @@ point here::
              dtypes, tensors        dtype names and sizes; HostTensor, StateDict
              checksum, errors       xxh3-128 and SHA-256; the one exception hierarchy
              host_memory            giving memory back (freed heap pages, LLVM once kernels load)
+             atomic_file            files replaced whole or not at all (a temp file renamed over)
     stores   stores/                one async Store interface; file://, s3:// (aiobotocore),
                                     http(s):// (httpx, read only); a registry keyed by URL scheme
              retry                  backoff with jitter

@@ -12,12 +12,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .atomic_file import atomic_write
 from .errors import RollbackError
 from .manifest import Manifest, check_run_id, check_snapshot_id
 
@@ -101,12 +100,5 @@ def load_record(path: Path) -> Seen | None:
 def save_record(path: Path, seen: Seen, store_url: str) -> None:
     """Write the record atomically (a temporary file renamed over it)."""
     doc = {"format": FORMAT, **asdict(seen), "store": store_url, "at": time.time()}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(doc, fh)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_write(path, prefix=f".{path.name}.") as fh:
+        fh.write(json.dumps(doc).encode())

@@ -21,9 +21,9 @@ import mmap
 import os
 import shutil
 import struct
-import tempfile
 from pathlib import Path
 
+from .atomic_file import atomic_write
 from .checksum import checksum
 from .errors import CorruptDataError
 from .manifest import Manifest
@@ -59,18 +59,8 @@ def memory_file(path: Path) -> Path:
 
 def save(path: Path, state: StateDict, manifest_snapshot_id: str) -> None:
     """Replace the cached head with ``state`` (of snapshot ``manifest_snapshot_id``), atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-head-")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            write_safetensors(fh, sorted(state.items()), {"snapshot_id": manifest_snapshot_id})
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    with atomic_write(path, prefix=".tmp-head-") as fh:
+        write_safetensors(fh, sorted(state.items()), {"snapshot_id": manifest_snapshot_id})
     for other in path.parent.parent.iterdir():  # other runs of this store: a new run never resumes them
         if other.is_dir() and other != path.parent:
             shutil.rmtree(other, ignore_errors=True)

@@ -5,14 +5,13 @@ from __future__ import annotations
 import copy
 import io
 import json
-import os
-import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ..atomic_file import atomic_write
 from ..errors import CorruptDataError
 
 #: One tensor's share of an :class:`EncoderMemory`, as :func:`delta_swap.codec.encode_tensor_delta`
@@ -69,15 +68,8 @@ class EncoderMemory:
         buf = io.BytesIO()
         arrays["index"] = np.frombuffer(index, np.uint8)
         np.savez(buf, *(), **arrays)  # type: ignore[arg-type]  # numpy's stub reads ** as allow_pickle
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-memory-")
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(buf.getbuffer())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_write(path, prefix=".tmp-memory-") as fh:
+            fh.write(buf.getbuffer())
 
     @classmethod
     def load(cls, path: Path) -> EncoderMemory:

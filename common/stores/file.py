@@ -13,9 +13,9 @@ import builtins
 import fcntl
 import os
 import stat
-import tempfile
 from pathlib import Path
 
+from ..atomic_file import atomic_write
 from ..errors import NotFoundError, StoreError
 from .base import Store, check_key, check_size, content_tag
 
@@ -76,15 +76,8 @@ class FileStore(Store):
     def _put(self, key: str, data: bytes | memoryview) -> None:
         path = self._path(key)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-            try:
-                with os.fdopen(fd, "wb") as fh:
-                    fh.write(data)
-                os.replace(tmp, path)
-            except BaseException:
-                os.unlink(tmp)
-                raise
+            with atomic_write(path, prefix=".tmp-") as fh:
+                fh.write(data)
         except OSError as exc:
             raise StoreError(f"cannot write {key} to {self.public_url}: {exc.strerror}") from None
 
