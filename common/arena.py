@@ -28,6 +28,7 @@ import numpy as np
 from .dtypes import dtype_size
 from .errors import CorruptDataError, EngineError
 from .manifest import load_json
+from .staging_files import remove_at_exit
 from .tensors import HostTensor, StateDict, TensorSpecs
 
 log = logging.getLogger("delta_swap")
@@ -161,6 +162,7 @@ class Arena:
                     raise EngineError(
                         f"no room for a {size}-byte weight arena in {self.path.parent}: {exc.strerror}"
                     ) from None
+                remove_at_exit(self.path)
             elif os.fstat(fd).st_size < size:
                 raise CorruptDataError(f"weight arena {self.path} is smaller than its layout")
             self._map = mmap.mmap(fd, size)

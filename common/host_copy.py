@@ -20,8 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .arena import remove_stale_arenas
 from .safetensors_io import specs_header
-from .staging_files import staging_file
+from .staging_files import remove_at_exit, staging_file
 from .tensors import HostTensor, StateDict, TensorSpecs
 
 #: The file kind in the staging folder: ``delta-swap-weights-<pid>-<tag>.safetensors``.
@@ -44,8 +45,10 @@ class HostCopy:
         names = sorted(specs)
         header, locations = specs_header((name, *specs[name]) for name in names)
         size = max([len(header), *(offset + length for offset, length in locations.values())])
+        remove_stale_arenas(staging_dir)  # copies left by killed servers hold memory in /dev/shm
         path = staging_file(staging_dir, KIND)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        remove_at_exit(path)
         try:
             if hasattr(os, "posix_fallocate"):
                 os.posix_fallocate(fd, 0, max(size, 1))

@@ -18,7 +18,9 @@ process that died).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -36,6 +38,30 @@ STAGE_POLL_S = 0.01
 #: that died). Each question keeps an idle vLLM worker busy-waiting for a second, half of one core
 #: beside the build: asked every 10 s, that is a tenth of the build's time at most.
 STAGE_ASK_S = 10.0
+
+
+_exit_lock = threading.Lock()
+_removed_at_exit: set[tuple[int, str]] = set()  # (the registering process, path)
+
+
+def remove_at_exit(path: str | os.PathLike[str]) -> None:
+    """Delete ``path`` when this process exits normally. A file in the staging folder (/dev/shm)
+    is memory until it is deleted, and an engine's API server may stop without telling its plugins
+    (vLLM's does): its weight copies would outlive it. A killed process's files are deleted by the
+    next server that starts in the same folder (:func:`delta_swap.arena.remove_stale_arenas`).
+    A forked child that exits normally leaves them: they are its parent's."""
+    with _exit_lock:
+        if not _removed_at_exit:
+            atexit.register(_remove_files)
+        _removed_at_exit.add((os.getpid(), str(path)))
+
+
+def _remove_files() -> None:
+    with _exit_lock:
+        paths = sorted(path for pid, path in _removed_at_exit if pid == os.getpid())
+        _removed_at_exit.clear()
+    for path in paths:
+        Path(path).unlink(missing_ok=True)
 
 
 def staging_file(staging_dir: str, kind: str, suffix: str = ".safetensors") -> str:

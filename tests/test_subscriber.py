@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -317,6 +318,48 @@ def test_files_left_by_killed_servers_are_removed_and_live_ones_kept(tmp_path) -
     removed = remove_stale_arenas(tmp_path)
     assert sorted(p.name for p in removed) == sorted(n for n, keep in names.items() if not keep)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for n, keep in names.items() if keep)
+
+
+_MAKE_WEIGHT_FILES = """
+import os, sys
+from delta_swap.arena import ArenaPair, ArenaLayout
+from delta_swap.host_copy import HostCopy
+folder = sys.argv[1]
+copy = HostCopy.create(folder, {"w": ("BF16", (64, 64))})
+layout = ArenaLayout.build([("s", "BF16", (64, 64))], {"w": ("s", 0, "BF16", (64, 64))})
+pair = ArenaPair(folder, layout)
+print(os.getpid(), flush=True)
+if sys.argv[2] == "killed":
+    os.kill(os.getpid(), 9)
+"""
+
+
+def test_a_server_process_deletes_its_weight_files_at_exit_and_the_next_one_a_killed_ones(tmp_path) -> None:
+    """A weight copy or arena in /dev/shm is memory until deleted. vLLM's API server stops
+    without telling its plugins, so a process deletes its own at a normal exit; a killed one's
+    are deleted when the next server makes its copy (an arena-path server did that before; a
+    shadow-path server, holding only a copy, did not)."""
+    import subprocess
+    import sys
+
+    from delta_swap.host_copy import HostCopy
+
+    def run(how: str, folder) -> int:
+        folder.mkdir()
+        done = subprocess.run(
+            [sys.executable, "-c", _MAKE_WEIGHT_FILES, str(folder), how], capture_output=True, text=True
+        )
+        assert (done.returncode == 0) == (how == "exits"), done.stderr[-2000:]
+        return int(done.stdout.split()[0])
+
+    run("exits", tmp_path / "exited")
+    assert not list((tmp_path / "exited").iterdir())
+    killed = run("killed", tmp_path / "killed")
+    left = sorted(p.name for p in (tmp_path / "killed").iterdir())
+    assert len(left) == 2 and all(f"-{killed}-" in name for name in left)  # the weight copy and arena a
+    copy = HostCopy.create(str(tmp_path / "killed"), {"w": ("BF16", (4, 4))})
+    assert [p.name for p in (tmp_path / "killed").iterdir()] == [Path(copy.path).name]
+    copy.close()
 
 
 class _RangeLog:
