@@ -26,6 +26,11 @@ benchmarks/rl_corpus.py). Step 0 is published as a base (not timed); each later 
   finish commits), timed from a barrier before the publish to a barrier after every rank's flush:
   the multi-rank publisher of a sharded trainer, against one rank on one thread.
 
+Each library and rank row also gives the CPU seconds its publish took per step (every thread of
+the process; for ranks, the busiest rank's and all ranks' together): the work each rank does
+falls as 1/N with N ranks whatever the machine, the wall-clock time only where the ranks' cores
+do not slow each other down.
+
 ``--load N`` runs N busy processes (``nice 10``, as the fleet benchmark's servers are) for the
 whole run: the trainer of a host whose cores also serve.
 
@@ -141,7 +146,7 @@ def measure_library(
     store = work / f"library-{threads}"
     shutil.rmtree(store, ignore_errors=True)
     trainer = SyntheticTrainer(shapes, lr)
-    seconds, payload = [], []
+    seconds, cpu, payload = [], [], []
     codec = CodecConfig(part_elements=1 << 62) if whole else CodecConfig()
     with Publisher(str(store), PublisherConfig(base_every=10_000, encode_threads=threads, codec=codec)) as pub:
         pub.publish(0, trainer.state())
@@ -150,10 +155,11 @@ def measure_library(
         for step in range(1, steps + 1):
             trainer.advance()
             state = trainer.state()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             pub.publish(step, state)
             pub.flush()
             seconds.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - cpu_start)
             assert pub.last_manifest is not None and pub.last_manifest.kind == "delta"
             payload.append(pub.last_manifest.payload_bytes)
             del state
@@ -161,6 +167,7 @@ def measure_library(
         "mode": "library, whole tensors" if whole else "library",
         "threads": threads,
         "seconds": seconds,
+        "cpu_seconds": cpu,
         "payload_bytes": payload,
         "model_bytes": pub.last_manifest.model_bytes,
         "rss_before_mb": rss_before,
@@ -187,17 +194,18 @@ def _measure_queued(shapes: dict, steps: int, threads: int, lr: float, work: Pat
             trainer.advance()
             states.append(trainer.state())
         rss_before = _rss_mb()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         for step, state in enumerate(states, 1):
             pub.publish(step, state)
         pub.flush()
-        total = time.perf_counter() - start
+        total, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     manifests = asyncio.run(ChainReader(FileStore(store)).list())[1:]
     assert [m.kind for m in manifests] == ["delta"] * steps
     return {
         "mode": "library, queued",
         "threads": threads,
         "seconds": [total / steps] * steps,
+        "cpu_seconds": [cpu / steps] * steps,
         "payload_bytes": [m.payload_bytes for m in manifests],
         "model_bytes": manifests[-1].model_bytes,
         "rss_before_mb": rss_before,
@@ -231,6 +239,8 @@ def measure_ranks(shapes: dict, steps: int, world: int, lr: float, work: Path) -
         "mode": f"ranks x{world}",
         "threads": 1,
         "seconds": [max(col) for col in zip(*(r["seconds"] for r in results))],
+        "cpu_seconds": [sum(col) for col in zip(*(r["cpu_seconds"] for r in results))],
+        "rank_cpu_seconds": [max(col) for col in zip(*(r["cpu_seconds"] for r in results))],
         "payload_bytes": [m.payload_bytes for m in manifests],
         "model_bytes": manifests[-1].model_bytes,
         "rss_before_mb": max(r["rss_before_mb"] for r in results),
@@ -249,7 +259,7 @@ def _rank_main(rank: int, world: int, shapes: dict, steps: int, lr: float, store
     dist.init_process_group("gloo", rank=rank, world_size=world)
     trainer = SyntheticTrainer(shapes, lr)
     config = PublisherConfig(base_every=10_000, encode_threads=1, rank=rank, world_size=world)
-    seconds = []
+    seconds, cpu = [], []
     with Publisher(store, config) as pub:
         pub.publish(0, balanced_share(trainer.state().items(), rank, world))
         pub.flush()
@@ -258,13 +268,14 @@ def _rank_main(rank: int, world: int, shapes: dict, steps: int, lr: float, store
             trainer.advance()
             share = balanced_share(trainer.state().items(), rank, world)
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             pub.publish(step, share)
             pub.flush()
+            cpu.append(time.process_time() - cpu_start)  # this rank's work, before it waits for the others
             dist.barrier()  # the step is committed once the last rank's flush returns
             seconds.append(time.perf_counter() - start)
             del share
-    result = {"seconds": seconds, "rss_before_mb": rss_before, "peak_rss_mb": _peak_rss_mb()}
+    result = {"seconds": seconds, "cpu_seconds": cpu, "rss_before_mb": rss_before, "peak_rss_mb": _peak_rss_mb()}
     (Path(out) / f"rank-{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -446,15 +457,18 @@ def machine() -> list[str]:
 
 def summarize(rows: list[dict]) -> list[str]:
     lines = [
-        f"{'mode':<22} {'threads':>7} {'s/step':>8} {'model MB/s':>10} {'payload bytes':>14} "
-        f"{'payload %':>9} {'RSS before MB':>13} {'peak RSS MB':>11}"
+        f"{'mode':<22} {'threads':>7} {'s/step':>8} {'model MB/s':>10} {'CPU s/step':>10} {'busiest rank':>12} "
+        f"{'payload bytes':>14} {'payload %':>9} {'RSS before MB':>13} {'peak RSS MB':>11}"
     ]
     for r in rows:
         s = float(np.median(r["seconds"]))
         pay = int(np.median(r["payload_bytes"]))
+        cpu = float(np.median(r["cpu_seconds"])) if r.get("cpu_seconds") else float("nan")
+        busiest = float(np.median(r["rank_cpu_seconds"])) if r.get("rank_cpu_seconds") else float("nan")
         lines.append(
-            f"{r['mode']:<22} {r['threads']:>7} {s:>8.3f} {r['model_bytes'] / 1e6 / s:>10.1f} {pay:>14} "
-            f"{100 * pay / r['model_bytes']:>8.2f}% {r['rss_before_mb']:>13.0f} {r['peak_rss_mb']:>11.0f}"
+            f"{r['mode']:<22} {r['threads']:>7} {s:>8.3f} {r['model_bytes'] / 1e6 / s:>10.1f} {cpu:>10.3f} "
+            f"{busiest:>12.3f} {pay:>14} {100 * pay / r['model_bytes']:>8.2f}% {r['rss_before_mb']:>13.0f} "
+            f"{r['peak_rss_mb']:>11.0f}"
         )
     return lines
 

@@ -66,6 +66,8 @@ SIZES = {"tiny": 0, "0.1G": 1, "0.5G": 6, "1G": 11, "2G": 22, "3G": 33}
 SHAPE = {"hidden_size": 2048, "intermediate_size": 5632, "num_heads": 16, "num_kv_heads": 4}
 TINY = {"hidden_size": 256, "intermediate_size": 768, "num_heads": 4, "num_kv_heads": 2, "num_layers": 2}
 SERVER_PHASES = ("fetch", "decode", "verify", "stage", "pause", "swap", "resume")
+#: The file in a run's folder naming its server's process group.
+SERVER_GROUP = "server.pgid"
 
 
 def make_model(root: Path, size: str) -> Path:
@@ -96,6 +98,7 @@ def measure_one(size: str, cores: int, work: Path, steps: int, level: int, swap_
     ``swap_path``."""
     model = make_model(work / "models", size)
     run = work / f"{size}-{cores}core-{swap_path}"
+    (run / SERVER_GROUP).unlink(missing_ok=True)  # an earlier run's server is gone, and its number may be reused
     started = time.perf_counter()
     config = PublisherConfig(base_every=10_000, codec=CodecConfig(level=level))  # every allowed core
     trainer = Trainer(model, run / "store", publisher_config=config)  # publishes the base (untimed)
@@ -106,6 +109,7 @@ def measure_one(size: str, cores: int, work: Path, steps: int, level: int, swap_
     try:
         settings = {"swap_path": swap_path}
         with engine_server("vllm", model, run / "server", store=run / "store", settings=settings) as server:
+            (run / SERVER_GROUP).write_text(str(server.proc.pid))  # for the caller, should this process be killed
             st = wait_ready(server.url)
             row["swap_path"] = st.get("swap_path")
             row["swap_path_reason"] = st.get("swap_path_reason")
@@ -133,6 +137,7 @@ def measure_one(size: str, cores: int, work: Path, steps: int, level: int, swap_
                 for old in run.glob("checkpoint-*"):
                     subprocess.run(["rm", "-rf", str(old)], check=False)
             row["server_peak_bytes"] = tree_peak_rss(server.proc.pid)
+        (run / SERVER_GROUP).unlink()
     finally:
         trainer.close()
     row["trainer_peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -151,6 +156,26 @@ def run_pinned(size: str, cores: int, work: Path, steps: int, level: int, swap_p
     return json.loads(out.read_text())
 
 
+def run_or_failure(size: str, cores: int, work: Path, steps: int, level: int, swap_path: str) -> dict:
+    """:func:`run_pinned`, or a row that says why it failed (a size that does not fit the host's
+    memory is killed by the kernel: the table shows it instead of losing the other rows)."""
+    try:
+        return run_pinned(size, cores, work, steps, level, swap_path)
+    except subprocess.CalledProcessError as exc:
+        _stop_orphaned_server(work / f"{size}-{cores}core-{swap_path}")
+        why = "killed (SIGKILL: out of memory?)" if exc.returncode == -signal.SIGKILL else f"exit code {exc.returncode}"
+        return {"size": size, "cores": cores, "asked_swap_path": swap_path, "failed": why}
+
+
+def _stop_orphaned_server(run: Path) -> None:
+    """Kill the server a killed run left behind (its own process group: a run killed for memory
+    cannot stop it, and it would hold the memory the next run needs)."""
+    try:
+        os.killpg(int((run / SERVER_GROUP).read_text()), signal.SIGKILL)
+    except (OSError, ValueError):
+        pass
+
+
 def _median(row: dict, get) -> float:
     return statistics.median(get(s) for s in row["steps"])
 
@@ -162,6 +187,9 @@ def summarize(rows: list[dict]) -> list[str]:
     head += f" {'trainer GB':>10} {'server GB':>9}"
     lines = [head]
     for r in rows:
+        if "failed" in r:
+            lines.append(f"{r['size']:>5} {'-':>6} {r['cores']:>5} {r['asked_swap_path']:>6} failed: {r['failed']}")
+            continue
         mb = r["model_bytes"] / 1e6
         publish = _median(r, lambda s: s["publish_s"])
         serving = _median(r, lambda s: s["serving_s"])
@@ -186,6 +214,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     colors = iter(("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"))
+    rows = [r for r in rows if "failed" not in r]
     for cores, taken in sorted({(r["cores"], r.get("swap_path") or "-") for r in rows}):
         mine = sorted(
             (r for r in rows if r["cores"] == cores and (r.get("swap_path") or "-") == taken),
@@ -249,7 +278,7 @@ def main() -> None:
     for size in args.sizes:
         for cores in args.cores:
             for swap_path in args.swap_paths:
-                rows.append(run_pinned(size, cores, work, args.steps, args.level, swap_path))
+                rows.append(run_or_failure(size, cores, work, args.steps, args.level, swap_path))
             print(summarize(rows)[-1] if len(rows) > 1 else "\n".join(summarize(rows)), flush=True)
     print("\n".join(summarize(rows)))
     Path(args.json).write_text(json.dumps({"cpu": cpu, "rows": rows}, indent=1))

@@ -18,6 +18,7 @@ def test_library_rows_store_the_same_payload_on_any_thread_count(tmp_path) -> No
     rows = [bench.measure_library(SHAPES, 2, threads, 1e-4, tmp_path) for threads in (1, 2)]
     assert rows[0]["payload_bytes"] == rows[1]["payload_bytes"] and all(rows[0]["payload_bytes"])
     assert all(len(r["seconds"]) == 2 and r["peak_rss_mb"] > 0 for r in rows)
+    assert all(len(r["cpu_seconds"]) == 2 and min(r["cpu_seconds"]) > 0 for r in rows)
     queued = bench.measure_library(SHAPES, 2, 2, 1e-4, tmp_path, queued=True)
     assert queued["payload_bytes"] == rows[0]["payload_bytes"] and queued["mode"] == "library, queued"
     whole = bench.measure_library(SHAPES, 2, 2, 1e-4, tmp_path, whole=True)  # tensors this small: no parts anyway
@@ -32,6 +33,8 @@ def test_two_ranks_commit_the_same_snapshots_as_one(tmp_path) -> None:
     ranks = bench.measure_ranks(SHAPES, 2, 2, 1e-4, tmp_path)
     assert ranks["mode"] == "ranks x2" and len(ranks["seconds"]) == 2 and ranks["peak_rss_mb"] > 0
     assert ranks["model_bytes"] == one["model_bytes"]
+    # both ranks did part of the work: the busiest rank's CPU time is below the ranks' total
+    assert all(0 < busiest < total for busiest, total in zip(ranks["rank_cpu_seconds"], ranks["cpu_seconds"]))
     # each rank writes a shard of its own, so payloads differ by shard headers; the weights do not
     assert all(abs(a - b) < 64 for a, b in zip(ranks["payload_bytes"], one["payload_bytes"]))
     states = [asyncio.run(_last_state(tmp_path / name)) for name in ("library-1", "ranks-2")]

@@ -39,5 +39,7 @@ def test_the_table_and_the_plot(row, tmp_path) -> None:
         and "reload s" in header
         and line.split()[:4] == ["tiny", f"{row['model_bytes'] / 1e6:.0f}", "1", row["swap_path"]]
     )
-    scale.plot([row], tmp_path / "scale.png")
+    failed = {"size": "3G", "cores": 2, "asked_swap_path": "auto", "failed": "killed (SIGKILL: out of memory?)"}
+    assert scale.summarize([row, failed])[-1].split()[:5] == ["3G", "-", "2", "auto", "failed:"]
+    scale.plot([row, failed], tmp_path / "scale.png")  # a size that did not fit is left out of the plot
     assert (tmp_path / "scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
