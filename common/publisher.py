@@ -40,8 +40,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from . import codec, codec_warm_up, head_cache, store_keys
 from .chain import ChainReader
 from .checksum import checksum, sha256
@@ -73,7 +71,7 @@ from .safetensors_io import write_safetensors
 from .shard_format import DELTA_SHARD_MAGIC
 from .signing import SigningKey, TrustedKeys, split_paths
 from .stores import Store, open_store
-from .tensors import HostTensor, StateDict, state_to_host
+from .tensors import HostTensor, StateDict, same_bytes, state_to_host
 
 log = logging.getLogger("delta_swap.publisher")
 #: Snapshots read, newest first, to find the run of a store whose HEAD is unusable.
@@ -706,7 +704,7 @@ def _encode_delta(
 ) -> tuple[str, bytes | None]:
     """The checksum of ``new`` and its payload against ``old`` (None when it did not change)."""
     digest = checksum(new.data)
-    if np.array_equal(old.data, new.data):
+    if same_bytes(old.data, new.data):
         return digest, None
     return digest, codec.encode_tensor_delta(old.data, new.data, new.dtype, config, new.shape, memory)
 
@@ -732,7 +730,7 @@ def _encode_jobs(
 
 
 def _checksum_and_changed(old: HostTensor, new: HostTensor) -> tuple[str, bool]:
-    return checksum(new.data), not np.array_equal(old.data, new.data)
+    return checksum(new.data), not same_bytes(old.data, new.data)
 
 
 def _encode_changed_part(
@@ -740,7 +738,7 @@ def _encode_changed_part(
 ) -> bytes | None:
     width = dtype_size(new.dtype)
     start, stop = part[0] * width, part[1] * width
-    if np.array_equal(old.data[start:stop], new.data[start:stop]):
+    if same_bytes(old.data[start:stop], new.data[start:stop]):
         return None
     return codec.encode_part(old.data, new.data, new.dtype, part, config, new.shape, memory)
 
