@@ -22,8 +22,6 @@ point here::
              dtypes, tensors        dtype names and sizes; HostTensor, StateDict
              checksum, errors       xxh3-128 and SHA-256; the one exception hierarchy
              host_memory            giving memory back (freed heap pages, LLVM once kernels load)
-             fresh_pages            zeroed host memory on fresh (huge) pages: shadow builds, the
-                                    publisher's copy of each step
              atomic_file            files replaced whole or not at all (a temp file renamed over)
     stores   stores/                one async Store interface; file://, s3:// (aiobotocore),
                                     http(s):// (httpx, read only); a registry keyed by URL scheme
@@ -48,6 +46,7 @@ point here::
              undo                   taking a failed swap back, and whether that worked
              inplace                writing only the changed elements into live parameters, with
                                     an undo log (swap_path=inplace)
+             fresh_pages            zeroed host tensors on fresh (huge) pages, for shadow builds
              shadow                 building changed modules processed before the pause and
                                     switching them in it (swap_path=shadow)
              param_switch           new tensors of the changed plain parameters built before the

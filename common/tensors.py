@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,7 +11,6 @@ import numpy as np
 
 from .dtypes import dtype_size, from_numpy_dtype, from_torch_dtype, to_torch_dtype
 from .errors import ConfigError
-from .fresh_pages import fresh_bytes
 
 
 @dataclass(frozen=True)
@@ -51,14 +50,25 @@ def specs_of(state: Mapping[str, HostTensor]) -> TensorSpecs:
 
 
 def to_host(value: Any) -> HostTensor:
-    """Copy a torch tensor, numpy array or HostTensor into a new HostTensor.
+    """Copy a torch tensor (any device, any strides), numpy array or HostTensor into a new
+    HostTensor.
 
     The copy is taken now, so the caller may keep training and mutating its own tensor.
     """
-    dtype, shape, nbytes, fill = _source(value)
-    data = np.empty(nbytes, np.uint8)
-    fill(data)
-    return HostTensor(dtype, shape, data)
+    if isinstance(value, HostTensor):
+        return HostTensor(value.dtype, value.shape, value.data.copy())
+    if isinstance(value, np.ndarray):
+        arr = np.ascontiguousarray(value)
+        return HostTensor(from_numpy_dtype(arr.dtype), tuple(arr.shape), arr.reshape(-1).view(np.uint8).copy())
+    if type(value).__module__.startswith("torch"):
+        import torch
+
+        t = value.detach()
+        raw = np.empty(t.numel() * t.element_size(), np.uint8)
+        if raw.size:  # one copy, straight from the tensor's device and strides
+            torch.from_numpy(raw).view(t.dtype).view(t.shape).copy_(t)
+        return HostTensor(from_torch_dtype(t.dtype), tuple(t.shape), raw)
+    raise ConfigError(f"cannot publish a {type(value).__name__}; pass torch tensors or numpy arrays")
 
 
 #: Bytes :func:`same_bytes` compares at a time.
@@ -81,52 +91,6 @@ def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
     return True
 
 
-#: Where each tensor of :func:`state_to_host` starts in its buffer: a multiple of this many bytes.
-STATE_ALIGN = 64
-
-
 def state_to_host(tensors: Mapping[str, Any]) -> StateDict:
-    """Copy a mapping of named tensors (torch tensors on any device, numpy arrays, HostTensors)
-    into host tensors, all of them in one buffer on fresh (huge) pages
-    (:func:`delta_swap.fresh_pages.fresh_bytes`), freed when the last of them goes. A publisher
-    copies the whole model at every step: from the heap, each copy faults in 4 KiB pages, and a
-    mapping per tensor would count against the kernel's limit on mappings for a model of many
-    experts."""
-    sources = [(name, _source(value)) for name, value in tensors.items()]
-    starts, total = [], 0
-    for _, (_, _, nbytes, _) in sources:
-        starts.append(total)
-        total += -(-nbytes // STATE_ALIGN) * STATE_ALIGN
-    buffer = fresh_bytes(total)
-    state = {}
-    for (name, (dtype, shape, nbytes, fill)), start in zip(sources, starts, strict=True):
-        data = buffer[start : start + nbytes]
-        fill(data)
-        state[name] = HostTensor(dtype, shape, data)
-    return state
-
-
-def _source(value: Any) -> tuple[str, tuple[int, ...], int, Callable[[np.ndarray], None]]:
-    """The dtype, shape and byte size of a tensor to copy, and how to copy it into given bytes."""
-    if isinstance(value, HostTensor):
-        return value.dtype, value.shape, value.nbytes, lambda out: np.copyto(out, value.data)
-    if isinstance(value, np.ndarray):
-        arr = np.ascontiguousarray(value)
-        return (
-            from_numpy_dtype(arr.dtype),
-            tuple(arr.shape),
-            arr.nbytes,
-            lambda out: np.copyto(out, arr.reshape(-1).view(np.uint8)),
-        )
-    if type(value).__module__.startswith("torch"):
-        import torch
-
-        t = value.detach()
-        nbytes = t.numel() * t.element_size()
-
-        def fill(out: np.ndarray) -> None:  # one copy, from any device and any strides
-            if nbytes:
-                torch.from_numpy(out).view(t.dtype).view(t.shape).copy_(t)
-
-        return from_torch_dtype(t.dtype), tuple(t.shape), nbytes, fill
-    raise ConfigError(f"cannot publish a {type(value).__name__}; pass torch tensors or numpy arrays")
+    """Copy a mapping of named tensors into host tensors."""
+    return {name: to_host(value) for name, value in tensors.items()}
