@@ -279,7 +279,7 @@ def main() -> None:
         for cores in args.cores:
             for swap_path in args.swap_paths:
                 rows.append(run_or_failure(size, cores, work, args.steps, args.level, swap_path))
-            print(summarize(rows)[-1] if len(rows) > 1 else "\n".join(summarize(rows)), flush=True)
+                print(summarize(rows)[-1] if len(rows) > 1 else "\n".join(summarize(rows)), flush=True)
     print("\n".join(summarize(rows)))
     Path(args.json).write_text(json.dumps({"cpu": cpu, "rows": rows}, indent=1))
     plot(rows, Path(args.plot))
