@@ -212,7 +212,7 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, ax = plt.subplots(figsize=(10.5, 4.5))
     colors = iter(("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"))
     rows = [r for r in rows if "failed" not in r]
     for cores, taken in sorted({(r["cores"], r.get("swap_path") or "-") for r in rows}):
@@ -242,7 +242,8 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_ylabel("seconds per step")
     ax.set_title("Publish -> serving at scale (one host, file:// store, vLLM CPU)", fontsize=9)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the lines, not over them
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
