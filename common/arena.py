@@ -28,7 +28,7 @@ import numpy as np
 from .dtypes import dtype_size
 from .errors import CorruptDataError, EngineError
 from .manifest import load_json
-from .staging_files import remove_at_exit
+from .staging_files import held, hold, remove_at_exit
 from .tensors import HostTensor, StateDict, TensorSpecs
 
 log = logging.getLogger("delta_swap")
@@ -168,6 +168,7 @@ class Arena:
             self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
+        self._owned = hold(self.path) if create else None  # in use while this process has it
         self.buffer = np.frombuffer(self._map, dtype=np.uint8)
         self._slots = {slot.name: slot for slot in layout.slots}
 
@@ -195,6 +196,9 @@ class Arena:
 
     def close(self, *, unlink: bool = False) -> None:
         """Unmap the file (views must be gone); with ``unlink``, delete it."""
+        if self._owned is not None:
+            os.close(self._owned)
+            self._owned = None
         self.buffer = np.empty(0, dtype=np.uint8)
         try:
             self._map.close()
@@ -223,8 +227,9 @@ def file_owner(path: Path) -> int | None:
 
 def remove_stale_arenas(folder: str | os.PathLike[str]) -> list[Path]:
     """Delete arena, layout and weight-copy files left in ``folder`` by processes that no longer
-    run (a killed server); their names carry the owner's pid:
-    ``delta-swap-{arena,layout,weights}-<pid>[-...]``."""
+    run (a killed server): their names carry the owner's pid
+    (``delta-swap-{arena,layout,weights}-<pid>[-...]``), and a file its owner still holds
+    (:func:`delta_swap.staging_files.hold`: a server in another PID namespace) is kept."""
     removed = []
     stale = [path for kind in ("arena", "layout", "weights") for path in Path(folder).glob(f"delta-swap-{kind}-*")]
     for path in stale:
@@ -234,8 +239,9 @@ def remove_stale_arenas(folder: str | os.PathLike[str]) -> list[Path]:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            path.unlink(missing_ok=True)
-            removed.append(path)
+            if not held(path):
+                path.unlink(missing_ok=True)
+                removed.append(path)
         except PermissionError:
             continue
     return removed

@@ -22,7 +22,7 @@ import numpy as np
 
 from .arena import remove_stale_arenas
 from .safetensors_io import specs_header
-from .staging_files import remove_at_exit, staging_file
+from .staging_files import hold, remove_at_exit, staging_file
 from .tensors import HostTensor, StateDict, TensorSpecs
 
 #: The file kind in the staging folder: ``delta-swap-weights-<pid>-<tag>.safetensors``.
@@ -34,6 +34,7 @@ class HostCopy:
 
     def __init__(self, path: str, specs: TensorSpecs, mapping: mmap.mmap, state: StateDict) -> None:
         self.path, self.specs, self._mapping = path, specs, mapping
+        self._owned: int | None = None  # a descriptor holding the file while it is in use (staging_files.hold)
         #: Writable views of every tensor, by checkpoint name (what snapshots are decoded into).
         self.state = state
 
@@ -66,7 +67,9 @@ class HostCopy:
             name: HostTensor(specs[name][0], tuple(specs[name][1]), raw[offset : offset + length])
             for name, (offset, length) in locations.items()
         }
-        return cls(path, dict(specs), mapping, state)
+        copy = cls(path, dict(specs), mapping, state)
+        copy._owned = hold(path)
+        return copy
 
     def holds(self, specs: TensorSpecs) -> bool:
         """Whether this copy has a place of the right dtype and shape for exactly ``specs``."""
@@ -77,6 +80,9 @@ class HostCopy:
     def close(self) -> None:
         """Remove the file; its memory goes when the last view of it does."""
         Path(self.path).unlink(missing_ok=True)
+        if self._owned is not None:
+            os.close(self._owned)
+            self._owned = None
         self.state = {}
         try:
             self._mapping.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import fcntl
 import os
 import threading
 import time
@@ -41,7 +42,8 @@ STAGE_ASK_S = 10.0
 
 
 _exit_lock = threading.Lock()
-_removed_at_exit: set[tuple[int, str]] = set()  # (the registering process, path)
+_removed_at_exit: set[str] = set()
+_registered_by = 0  # the process whose exit removes them
 
 
 def remove_at_exit(path: str | os.PathLike[str]) -> None:
@@ -50,18 +52,59 @@ def remove_at_exit(path: str | os.PathLike[str]) -> None:
     (vLLM's does): its weight copies would outlive it. A killed process's files are deleted by the
     next server that starts in the same folder (:func:`delta_swap.arena.remove_stale_arenas`).
     A forked child that exits normally leaves them: they are its parent's."""
+    global _registered_by
     with _exit_lock:
-        if not _removed_at_exit:
+        if _registered_by != os.getpid():
+            _registered_by = os.getpid()
             atexit.register(_remove_files)
-        _removed_at_exit.add((os.getpid(), str(path)))
+        _removed_at_exit.add(str(path))
 
 
 def _remove_files() -> None:
     with _exit_lock:
-        paths = sorted(path for pid, path in _removed_at_exit if pid == os.getpid())
+        paths = sorted(_removed_at_exit)
         _removed_at_exit.clear()
     for path in paths:
         Path(path).unlink(missing_ok=True)
+
+
+def _after_fork_in_child() -> None:
+    global _exit_lock, _removed_at_exit
+    _exit_lock = threading.Lock()  # a thread of the parent may have held it at the fork
+    _removed_at_exit = set()  # the parent's files, not this process's to remove
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def hold(path: str | os.PathLike[str]) -> int:
+    """An open descriptor of ``path`` holding a shared lock on it until it is closed: the file's
+    owner keeps one for the file's life, and :func:`held` then says it is in use whatever process
+    asks. (The pid in a staging file's name says nothing to a server in another PID namespace
+    sharing the same /dev/shm, as containers run with ``--ipc=host`` do.)"""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def held(path: str | os.PathLike[str]) -> bool:
+    """Whether some process holds ``path`` (:func:`hold`)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # and with it the lock this took, if it took one
+    return False
 
 
 def staging_file(staging_dir: str, kind: str, suffix: str = ".safetensors") -> str:

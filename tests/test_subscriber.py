@@ -362,6 +362,47 @@ def test_a_server_process_deletes_its_weight_files_at_exit_and_the_next_one_a_ki
     copy.close()
 
 
+def test_a_held_file_is_kept_whatever_pid_its_name_carries(tmp_path) -> None:
+    """A server in another PID namespace sharing /dev/shm (containers with ``--ipc=host``) names
+    its files with pids this one cannot see: the lock its owner holds keeps them."""
+    import os
+    import subprocess
+    import sys
+
+    from delta_swap.arena import remove_stale_arenas
+    from delta_swap.staging_files import hold
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    other = tmp_path / f"delta-swap-weights-{int(gone.stdout)}-0a1b2c3d.safetensors"
+    other.write_bytes(b"x")
+    fd = hold(other)  # as its owner in the other namespace does
+    assert remove_stale_arenas(tmp_path) == [] and other.exists()
+    os.close(fd)  # the owner went away
+    assert remove_stale_arenas(tmp_path) == [other] and not other.exists()
+
+
+_FORK_AND_EXIT = """
+import os, sys
+from delta_swap.host_copy import HostCopy
+copy = HostCopy.create(sys.argv[1], {"w": ("BF16", (4, 4))})
+child = os.fork()
+if child == 0:
+    sys.exit(0)  # a forked child's normal exit runs the atexit hooks it inherited
+os.waitpid(child, 0)
+print(os.path.exists(copy.path), flush=True)
+"""
+
+
+def test_a_forked_child_exiting_leaves_its_parents_files(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _FORK_AND_EXIT, str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True"]  # the child left it
+    assert not list(tmp_path.iterdir())  # the parent removed it at its own exit
+
+
 class _RangeLog:
     """A store that records every read (key, start, end) and otherwise is the store it wraps."""
 
