@@ -8,6 +8,7 @@ under way (:func:`_stop_at_exit`): it neither leaves a compile behind nor exits 
 from __future__ import annotations
 
 import atexit
+import os
 import subprocess
 import sys
 import threading
@@ -24,6 +25,7 @@ CHILD_TIMEOUT_S = 900
 _lock = threading.Lock()
 _threads: dict[bool, threading.Thread] = {}
 _exiting = False
+_owner = 0  # the process whose exit stops them (a forked child inherits the hook, not the work)
 _children: set[subprocess.Popen] = set()  # compiling now
 _loading: set[threading.Thread] = set()  # loading (or compiling) the kernels in this process now
 
@@ -32,19 +34,19 @@ def _compile_in_child(encoder: bool) -> None:
     """Fill numba's cache from a child process at a lower priority; any failure leaves the JIT to
     this process. The child is stopped if this process exits first."""
     code = f"import os; os.nice(10); from delta_swap import codec; codec.warm_up({encoder})"
-    try:
-        child = subprocess.Popen(
-            [sys.executable, "-c", code],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-    except OSError:
-        return
-    with _lock:
-        _children.add(child)
+    with _lock:  # started under the lock: an exit that began meanwhile either sees it or stops it first
         if _exiting:
-            child.kill()
+            return
+        try:
+            child = subprocess.Popen(
+                [sys.executable, "-c", code],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        except OSError:
+            return
+        _children.add(child)
     try:
         child.wait(timeout=CHILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -79,6 +81,8 @@ def _stop_at_exit() -> None:
     "terminate called without an active exception"), which a trainer's launcher reports as a
     failed rank."""
     global _exiting
+    if os.getpid() != _owner:  # a forked child exiting: the children and threads are its parent's
+        return
     with _lock:
         _exiting = True
         children, loading = list(_children), list(_loading)
@@ -104,10 +108,12 @@ def start_warm_up(encoder: bool = True) -> threading.Thread:
     working memory in the process that ran it, and a server should not carry that for its life.
     Once they are loaded, LLVM's code pages are paged out as well (~75 MB resident otherwise;
     decoding never runs LLVM, and a later compile reads them back from disk)."""
+    global _owner
     with _lock:
         thread = _threads.get(encoder) or _threads.get(True)
         if thread is None:
             if not _threads:
+                _owner = os.getpid()
                 atexit.register(_stop_at_exit)
             thread = threading.Thread(target=_run, args=(encoder,), name=WARM_UP_THREAD, daemon=True)
             thread.start()

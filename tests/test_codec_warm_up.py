@@ -55,6 +55,30 @@ def test_a_process_exiting_while_its_warm_up_compiles_stops_the_child(tmp_path) 
     assert _gone(int(done.stdout.split()[-1])), "the warm-up's compile outlived the process"
 
 
+_FORK_WHILE_THE_CHILD_COMPILES = """
+import os, sys, time
+from delta_swap import codec_warm_up
+codec_warm_up.start_warm_up(encoder=True)
+while not codec_warm_up._children:
+    time.sleep(0.05)
+compiling = next(iter(codec_warm_up._children))
+child = os.fork()
+if child == 0:
+    sys.exit(0)  # runs the atexit hook it inherited
+os.waitpid(child, 0)
+print(compiling.poll() is None, flush=True)
+"""
+
+
+def test_a_forked_child_exiting_leaves_its_parents_warm_up_alone(tmp_path) -> None:
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "cold-cache")}
+    done = subprocess.run(
+        [sys.executable, "-c", _FORK_WHILE_THE_CHILD_COMPILES], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True"]  # the compile still ran after the forked child's exit
+
+
 _EXIT_WHILE_KERNELS_LOAD = """
 import sys, time
 from pathlib import Path
