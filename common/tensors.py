@@ -77,14 +77,14 @@ COMPARE_CHUNK = 1 << 20
 
 def same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
     """Whether two 1-D uint8 arrays hold the same bytes. Compared a chunk at a time, as 64-bit
-    words where the chunk allows, and stopping at the first chunk that differs: a tensor that
-    changed costs about one chunk (not a pass over both and a boolean array of its size), one
-    that did not a pass at memory speed."""
+    words where the chunk allows (a contiguous multiple of 8 bytes), and stopping at the first
+    chunk that differs: a tensor that changed costs about one chunk (not a pass over both and a
+    boolean array of its size), one that did not a pass at memory speed."""
     if a.size != b.size:
         return False
     for start in range(0, a.size, COMPARE_CHUNK):
         x, y = a[start : start + COMPARE_CHUNK], b[start : start + COMPARE_CHUNK]
-        if x.size % 8 == 0:
+        if x.size % 8 == 0 and x.flags.c_contiguous and y.flags.c_contiguous:
             x, y = x.view(np.uint64), y.view(np.uint64)
         if not np.array_equal(x, y):
             return False

@@ -44,3 +44,8 @@ def test_same_bytes_finds_a_difference_anywhere(size: int) -> None:
             b[where] ^= 0x40
             assert not same_bytes(a, b) and not same_bytes(b, a)
     assert same_bytes(a[1:], a.copy()[1:])  # views that do not start on a word
+    assert same_bytes(a[::2], a.copy()[::2])  # strided views
+    if size > 16:
+        b = a.copy()
+        b[2] ^= 1
+        assert not same_bytes(a[::2], b[::2]) and same_bytes(a[1::2], b[1::2])
