@@ -108,8 +108,10 @@ def measure_one(size: str, cores: int, work: Path, steps: int, level: int, swap_
     row |= {"steps": [], "encode_threads": trainer.publisher.encode_threads}
     try:
         settings = {"swap_path": swap_path}
-        with engine_server("vllm", model, run / "server", store=run / "store", settings=settings) as server:
-            (run / SERVER_GROUP).write_text(str(server.proc.pid))  # for the caller, should this process be killed
+        with engine_server("vllm", model, run / "server", store=run / "store", settings=settings, wait=False) as server:
+            # for the caller, should this process be killed (most likely while the server loads)
+            (run / SERVER_GROUP).write_text(f"{server.proc.pid} {_started(server.proc.pid)}")
+            server.wait_healthy(900)
             st = wait_ready(server.url)
             row["swap_path"] = st.get("swap_path")
             row["swap_path_reason"] = st.get("swap_path_reason")
@@ -137,8 +139,8 @@ def measure_one(size: str, cores: int, work: Path, steps: int, level: int, swap_
                 for old in run.glob("checkpoint-*"):
                     subprocess.run(["rm", "-rf", str(old)], check=False)
             row["server_peak_bytes"] = tree_peak_rss(server.proc.pid)
-        (run / SERVER_GROUP).unlink()
     finally:
+        (run / SERVER_GROUP).unlink(missing_ok=True)  # the server was stopped on the way out
         trainer.close()
     row["trainer_peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return row
@@ -169,11 +171,22 @@ def run_or_failure(size: str, cores: int, work: Path, steps: int, level: int, sw
 
 def _stop_orphaned_server(run: Path) -> None:
     """Kill the server a killed run left behind (its own process group: a run killed for memory
-    cannot stop it, and it would hold the memory the next run needs)."""
+    cannot stop it, and it would hold the memory the next run needs), if the process of that
+    number is still the one that run started."""
     try:
-        os.killpg(int((run / SERVER_GROUP).read_text()), signal.SIGKILL)
+        pid, started = (run / SERVER_GROUP).read_text().split()
+        if _started(int(pid)) == started:
+            os.killpg(int(pid), signal.SIGKILL)
     except (OSError, ValueError):
         pass
+
+
+def _started(pid: int) -> str:
+    """When process ``pid`` started (clock ticks since boot, from /proc), or "-" if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return "-"
 
 
 def _median(row: dict, get) -> float:
@@ -181,21 +194,21 @@ def _median(row: dict, get) -> float:
 
 
 def summarize(rows: list[dict]) -> list[str]:
-    head = f"{'size':>5} {'MB':>6} {'cores':>5} {'path':>6} {'publish s':>9} {'MB/s':>6}"
+    head = f"{'size':>5} {'MB':>6} {'cores':>5} {'path':>7} {'publish s':>9} {'MB/s':>6}"
     head += "".join(f" {p + ' s':>9}" for p in SERVER_PHASES)
     head += f" {'->serving s':>11} {'write s':>8} {'reload s':>8} {'full s':>7} {'ratio':>6}"
     head += f" {'trainer GB':>10} {'server GB':>9}"
     lines = [head]
     for r in rows:
         if "failed" in r:
-            lines.append(f"{r['size']:>5} {'-':>6} {r['cores']:>5} {r['asked_swap_path']:>6} failed: {r['failed']}")
+            lines.append(f"{r['size']:>5} {'-':>6} {r['cores']:>5} {r['asked_swap_path']:>7} failed: {r['failed']}")
             continue
         mb = r["model_bytes"] / 1e6
         publish = _median(r, lambda s: s["publish_s"])
         serving = _median(r, lambda s: s["serving_s"])
         full = _median(r, lambda s: s["write_s"] + s["reload_s"])
         path = r.get("swap_path") or "-"
-        line = f"{r['size']:>5} {mb:>6.0f} {r['cores']:>5} {path:>6} {publish:>9.2f} {mb / publish:>6.0f}"
+        line = f"{r['size']:>5} {mb:>6.0f} {r['cores']:>5} {path:>7} {publish:>9.2f} {mb / publish:>6.0f}"
         line += "".join(f" {_median(r, lambda s, p=p: s['server'].get(p, 0.0)):>9.2f}" for p in SERVER_PHASES)
         line += (
             f" {serving:>11.2f} {_median(r, lambda s: s['write_s']):>8.2f} {_median(r, lambda s: s['reload_s']):>8.2f}"
@@ -215,12 +228,15 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(10.5, 4.5))
     colors = iter(("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"))
     rows = [r for r in rows if "failed" not in r]
-    for cores, taken in sorted({(r["cores"], r.get("swap_path") or "-") for r in rows}):
-        mine = sorted(
-            (r for r in rows if r["cores"] == cores and (r.get("swap_path") or "-") == taken),
-            key=lambda r: r["model_bytes"],
-        )
-        color, which = next(colors, "tab:gray"), f"{cores} core(s), {taken} path"
+
+    def line_of(r: dict) -> tuple:  # one line per core count and path asked and taken
+        return r["cores"], r.get("asked_swap_path", "auto"), r.get("swap_path") or "-"
+
+    for key in sorted({line_of(r) for r in rows}):
+        mine = sorted((r for r in rows if line_of(r) == key), key=lambda r: r["model_bytes"])
+        cores, asked, taken = key
+        color = next(colors, "tab:gray")
+        which = f"{cores} core(s), {taken} path" + (f" ({asked})" if asked not in ("auto", taken) else "")
         x = [r["model_bytes"] / 1e9 for r in mine]
         ax.plot(
             x,

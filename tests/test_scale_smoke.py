@@ -43,3 +43,28 @@ def test_the_table_and_the_plot(row, tmp_path) -> None:
     assert scale.summarize([row, failed])[-1].split()[:5] == ["3G", "-", "2", "auto", "failed:"]
     scale.plot([row, failed], tmp_path / "scale.png")  # a size that did not fit is left out of the plot
     assert (tmp_path / "scale.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_killed_runs_server_is_stopped_only_if_it_is_still_the_same_process(tmp_path) -> None:
+    """A run killed for memory leaves its server (a process group of its own) holding memory the
+    next run needs: the benchmark kills that group, but not a process that took its number since."""
+    import subprocess
+    import sys
+
+    def orphan() -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+
+    run = tmp_path / "1G-1core-auto"
+    run.mkdir()
+    same, other = orphan(), orphan()
+    try:
+        (run / scale.SERVER_GROUP).write_text(f"{other.pid} 1")  # a number reused by another process
+        scale._stop_orphaned_server(run)
+        assert other.poll() is None
+        (run / scale.SERVER_GROUP).write_text(f"{same.pid} {scale._started(same.pid)}")
+        scale._stop_orphaned_server(run)
+        assert same.wait(10) == -9
+    finally:
+        for proc in (same, other):
+            proc.kill()
+            proc.wait()
