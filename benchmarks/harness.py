@@ -7,6 +7,7 @@ Every server listens on 127.0.0.1 and is stopped when its ``with`` block ends.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -26,7 +27,7 @@ from delta_swap import store_keys
 from delta_swap.arena import file_owner
 from delta_swap.freshness import record_path
 from delta_swap.publisher import Publisher, PublisherConfig
-from delta_swap.settings import Settings
+from delta_swap.settings import Settings, SwapPath
 from delta_swap.stores import open_store
 from examples.servers import sglang as sglang_server
 from examples.servers import vllm as vllm_server
@@ -177,6 +178,12 @@ class PublishedAhead:
 
 
 @contextlib.contextmanager
+def add_swap_paths_option(parser: argparse.ArgumentParser, help: str) -> None:
+    """``--swap-paths``: the swap paths to run (``Settings.swap_path``: auto, arena, reload, inplace,
+    shadow), a server each."""
+    parser.add_argument("--swap-paths", nargs="+", default=["auto"], choices=[p.value for p in SwapPath], help=help)
+
+
 def engine_server(
     engine: str,
     model: Path,

@@ -47,6 +47,7 @@ from pathlib import Path
 
 from benchmarks.harness import (
     Trainer,
+    add_swap_paths_option,
     engine_reload,
     engine_server,
     model_bytes,
@@ -270,13 +271,7 @@ def main() -> None:
     parser.add_argument("--cores", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--steps", type=int, default=2, help="timed delta steps per run")
     parser.add_argument("--level", type=int, default=2, help="codec level (CodecConfig.level)")
-    parser.add_argument(
-        "--swap-paths",
-        nargs="+",
-        default=["auto"],
-        choices=["auto", "arena", "inplace", "shadow", "reload"],
-        help="a server per path asked (Settings.swap_path); the table shows the path taken",
-    )
+    add_swap_paths_option(parser, "the table shows the path each server took")
     parser.add_argument("--workdir", help="models are cached here between runs")
     parser.add_argument("--json", default=str(DOCS / "scale.json"))
     parser.add_argument("--plot", default=str(DOCS / "scale.png"))

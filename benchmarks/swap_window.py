@@ -39,6 +39,7 @@ from benchmarks.harness import (
     MOE_SIZES,
     SIZES,
     Trainer,
+    add_swap_paths_option,
     engine_reload,
     engine_server,
     make_model,
@@ -260,13 +261,7 @@ def main() -> None:
         help="Llama sizes, or moe-* (Qwen3-MoE)",
     )
     parser.add_argument("--updates", type=int, default=5)
-    parser.add_argument(
-        "--swap-paths",
-        nargs="+",
-        default=["auto"],
-        choices=["auto", "inplace", "arena", "shadow", "reload"],
-        help="one server each",
-    )
+    add_swap_paths_option(parser, "the table shows the path each server took")
     parser.add_argument("--no-restart", action="store_true", help="skip timing a fresh server's start")
     parser.add_argument("--tp", nargs="+", type=int, default=[1], help="tensor-parallel sizes (one core per rank)")
     parser.add_argument(
