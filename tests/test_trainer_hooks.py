@@ -161,6 +161,7 @@ def _sharded_rank(rank: int, world: int, port: int, model_dir: str, store: str, 
     total = sum(t.numel() * t.element_size() for t in full.values())
     if rank == 0:
         torch.save({"state": full, "largest_share": largest_share, "total": total}, out)
+    dist.barrier()  # no rank tears its connections down while another may still use them
     dist.destroy_process_group()
 
 
@@ -195,6 +196,7 @@ def _sharded_moe_rank(rank: int, world: int, port: int, model_dir: str, store: s
     full = [(k, v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()]
     if rank == 0:
         torch.save(checkpoint_tensors(model, full, torch.bfloat16), out)
+    dist.barrier()  # no rank tears its connections down while another may still use them
     dist.destroy_process_group()
 
 
