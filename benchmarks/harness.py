@@ -177,13 +177,13 @@ class PublishedAhead:
         await dst.put(store_keys.HEAD_KEY, head)
 
 
-@contextlib.contextmanager
 def add_swap_paths_option(parser: argparse.ArgumentParser, help: str) -> None:
     """``--swap-paths``: the swap paths to run (``Settings.swap_path``: auto, arena, reload, inplace,
     shadow), a server each."""
     parser.add_argument("--swap-paths", nargs="+", default=["auto"], choices=[p.value for p in SwapPath], help=help)
 
 
+@contextlib.contextmanager
 def engine_server(
     engine: str,
     model: Path,
