@@ -28,7 +28,7 @@ import numpy as np
 from .dtypes import dtype_size
 from .errors import CorruptDataError, EngineError
 from .manifest import load_json
-from .staging_files import held, hold, remove_at_exit
+from .staging_files import held, own
 from .tensors import HostTensor, StateDict, TensorSpecs
 
 log = logging.getLogger("delta_swap")
@@ -162,13 +162,12 @@ class Arena:
                     raise EngineError(
                         f"no room for a {size}-byte weight arena in {self.path.parent}: {exc.strerror}"
                     ) from None
-                remove_at_exit(self.path)
             elif os.fstat(fd).st_size < size:
                 raise CorruptDataError(f"weight arena {self.path} is smaller than its layout")
             self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        self._owned = hold(self.path) if create else None  # in use while this process has it
+        self._owned = own(self.path) if create else None  # deleted at exit, held until closed
         self.buffer = np.frombuffer(self._map, dtype=np.uint8)
         self._slots = {slot.name: slot for slot in layout.slots}
 

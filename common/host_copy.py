@@ -22,7 +22,7 @@ import numpy as np
 
 from .arena import remove_stale_arenas
 from .safetensors_io import specs_header
-from .staging_files import hold, remove_at_exit, staging_file
+from .staging_files import own, staging_file
 from .tensors import HostTensor, StateDict, TensorSpecs
 
 #: The file kind in the staging folder: ``delta-swap-weights-<pid>-<tag>.safetensors``.
@@ -34,7 +34,7 @@ class HostCopy:
 
     def __init__(self, path: str, specs: TensorSpecs, mapping: mmap.mmap, state: StateDict) -> None:
         self.path, self.specs, self._mapping = path, specs, mapping
-        self._owned: int | None = None  # a descriptor holding the file while it is in use (staging_files.hold)
+        self._owned: int | None = None  # the descriptor that holds the file (staging_files.own)
         #: Writable views of every tensor, by checkpoint name (what snapshots are decoded into).
         self.state = state
 
@@ -49,7 +49,6 @@ class HostCopy:
         remove_stale_arenas(staging_dir)  # copies left by killed servers hold memory in /dev/shm
         path = staging_file(staging_dir, KIND)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        remove_at_exit(path)
         try:
             if hasattr(os, "posix_fallocate"):
                 os.posix_fallocate(fd, 0, max(size, 1))
@@ -68,7 +67,7 @@ class HostCopy:
             for name, (offset, length) in locations.items()
         }
         copy = cls(path, dict(specs), mapping, state)
-        copy._owned = hold(path)
+        copy._owned = own(path)  # deleted at exit, held until closed
         return copy
 
     def holds(self, specs: TensorSpecs) -> bool:

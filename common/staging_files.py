@@ -92,6 +92,14 @@ def hold(path: str | os.PathLike[str]) -> int:
     return fd
 
 
+def own(path: str | os.PathLike[str]) -> int:
+    """Make this process the owner of a file it made in the staging folder: deleted when it exits
+    normally (:func:`remove_at_exit`), and held while it runs (:func:`hold`; close the returned
+    descriptor when the file is given up)."""
+    remove_at_exit(path)
+    return hold(path)
+
+
 def held(path: str | os.PathLike[str]) -> bool:
     """Whether some process holds ``path`` (:func:`hold`)."""
     try:
