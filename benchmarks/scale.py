@@ -71,6 +71,11 @@ SERVER_PHASES = ("fetch", "decode", "verify", "stage", "pause", "swap", "resume"
 SERVER_GROUP = "server.pgid"
 
 
+def run_folder(work: Path, size: str, cores: int, swap_path: str) -> Path:
+    """Where one (size, cores, swap path) run keeps its store, server and results."""
+    return work / f"{size}-{cores}core-{swap_path}"
+
+
 def make_model(root: Path, size: str) -> Path:
     """The random Llama checkpoint of ``size`` (cached in ``root``)."""
     folder = root / f"llama-{size}"
@@ -98,7 +103,7 @@ def measure_one(size: str, cores: int, work: Path, steps: int, level: int, swap_
     """One (size, cores) run in this process (already pinned by the caller), its server asked for
     ``swap_path``."""
     model = make_model(work / "models", size)
-    run = work / f"{size}-{cores}core-{swap_path}"
+    run = run_folder(work, size, cores, swap_path)
     (run / SERVER_GROUP).unlink(missing_ok=True)  # an earlier run's server is gone, and its number may be reused
     started = time.perf_counter()
     config = PublisherConfig(base_every=10_000, codec=CodecConfig(level=level))  # every allowed core
@@ -150,7 +155,7 @@ def measure_one(size: str, cores: int, work: Path, steps: int, level: int, swap_
 def run_pinned(size: str, cores: int, work: Path, steps: int, level: int, swap_path: str = "auto") -> dict:
     """:func:`measure_one` in a child process pinned to the first ``cores`` allowed cores."""
     allowed = sorted(os.sched_getaffinity(0))[:cores]
-    out = work / f"{size}-{cores}core-{swap_path}.json"
+    out = run_folder(work, size, cores, swap_path).with_suffix(".json")
     cmd = [sys.executable, "-m", "benchmarks.scale", "--one", size, "--cores", str(cores)]
     cmd += ["--steps", str(steps), "--level", str(level), "--workdir", str(work), "--json", str(out)]
     cmd += ["--swap-paths", swap_path]
@@ -165,7 +170,7 @@ def run_or_failure(size: str, cores: int, work: Path, steps: int, level: int, sw
     try:
         return run_pinned(size, cores, work, steps, level, swap_path)
     except subprocess.CalledProcessError as exc:
-        _stop_orphaned_server(work / f"{size}-{cores}core-{swap_path}")
+        _stop_orphaned_server(run_folder(work, size, cores, swap_path))
         why = "killed (SIGKILL: out of memory?)" if exc.returncode == -signal.SIGKILL else f"exit code {exc.returncode}"
         return {"size": size, "cores": cores, "asked_swap_path": swap_path, "failed": why}
 
