@@ -93,6 +93,7 @@ def build(
     weights: dict[str, torch.Tensor],
     donor: torch.nn.Module | None = None,
     process: bool = True,
+    size: int = 2,
 ) -> torch.nn.Module:
     """One rank's layers, loaded as vLLM's models load them (or holding ``donor``'s loaded values
     instead: a rank given another rank's shard), then processed (the CPU repack) if ``process``."""
@@ -104,7 +105,7 @@ def build(
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
-        with as_rank(rank), set_current_vllm_config(config):  # type: ignore[arg-type]
+        with as_rank(rank, size), set_current_vllm_config(config):  # type: ignore[arg-type]
             model = torch.nn.Module()
             model.attn = torch.nn.Module()
             model.attn.qkv_proj = linear.QKVParallelLinear(HIDDEN, HEAD, HEADS, KV_HEADS, bias=True, prefix="qkv")
@@ -139,13 +140,18 @@ def build(
     return model
 
 
-def read_back(config: object, model: torch.nn.Module, rank: int, weights: dict[str, torch.Tensor]) -> int:
+def read_back(
+    config: object, model: torch.nn.Module, rank: int, weights: dict[str, torch.Tensor], size: int = 2
+) -> int:
+    """The read-back as a rank of ``size`` runs it (one rank: against whole tensors, as vLLM's
+    worker does at tensor parallel 1)."""
     from vllm.config import set_current_vllm_config
 
     from vllm_delta_plugin.readback_shards import local_shards
 
-    with as_rank(rank), set_current_vllm_config(config), torch.inference_mode():  # type: ignore[arg-type]
-        return verify_modules(model, weights, PACKED, local_shards(PACKED))
+    shard = local_shards(PACKED) if size > 1 else None
+    with as_rank(rank, size), set_current_vllm_config(config), torch.inference_mode():  # type: ignore[arg-type]
+        return verify_modules(model, weights, PACKED, shard)
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -180,3 +186,36 @@ def test_a_stale_tensor_in_rank_1s_shard_is_named(vllm_config, moved, named) -> 
     new[moved] = weights[moved] + 1
     with pytest.raises(ChecksumMismatchError, match=named.replace(".", r"\.")):
         read_back(vllm_config, model, 1, new)
+
+
+def with_non_finite(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Values a diverging run publishes (or a synthetic update wrapping a zero's bits to 0xFFFE):
+    NaN and Inf off the probed columns (0, 21, 42, 63 of 64; 0, 32, 63, 95 of 96), where a one-hot
+    probe of the row computes 0 * NaN, and an Inf on one."""
+    new = {name: t.clone() for name, t in weights.items()}
+    new["mlp.gate_proj.weight"][5, 7] = float("nan")
+    new["mlp.up_proj.weight"][3, 10] = float("inf")
+    new["attn.q_proj.weight"][2, 21] = float("-inf")
+    new["mlp.down_proj.weight"][1, 50] = float("nan")
+    return new
+
+
+@pytest.mark.parametrize(("rank", "size"), [(0, 1), (1, 2)])
+def test_published_nan_and_inf_read_back_as_served(vllm_config, rank, size) -> None:
+    """A server holding exactly the published weights passes, NaN and Inf included: the probe's
+    expected outputs are the exact one-hot products, not the columns' values."""
+    weights = with_non_finite(published())
+    model = build(vllm_config, rank, weights, size=size)
+    assert read_back(vllm_config, model, rank, weights, size) >= 7
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_a_stale_value_beside_a_nan_row_is_named(vllm_config, size) -> None:
+    """A NaN row hides nothing else: the row beside it, stale in a probed column, is refused."""
+    weights = with_non_finite(published())
+    model = build(vllm_config, 0, weights, size=size)
+    new = dict(weights)
+    new["mlp.gate_proj.weight"] = weights["mlp.gate_proj.weight"].clone()
+    new["mlp.gate_proj.weight"][6, 0] += 1
+    with pytest.raises(ChecksumMismatchError, match=r"gate_up_proj\.weight"):
+        read_back(vllm_config, model, 0, new, size)
