@@ -75,12 +75,18 @@ def rl_update(weights: dict[str, torch.Tensor], gen: torch.Generator, fraction: 
 
     Picks the elements by index (a few repeat) rather than with a full random mask, so a 100M
     model updates in well under a second and a synthetic trainer can keep a cadence of seconds.
+    A move that would cross zero or reach the top exponent is left out: on the bits, 0x0000 - 2
+    is 0xFFFE, a NaN, which no RL step makes (and a read-back rightly finds in every row it probes).
     """
     for w in weights.values():
         bits = w.view(-1).view(torch.int16)
         k = max(1, int(fraction * bits.numel()))
         idx = torch.randint(bits.numel(), (k,), generator=gen)
-        bits[idx] += torch.randint(-3, 4, (k,), generator=gen, dtype=torch.int16)
+        old = bits[idx].to(torch.int32) & 0xFFFF
+        new = old + torch.randint(-3, 4, (k,), generator=gen, dtype=torch.int32)
+        keep = (new >= 0) & (new <= 0xFFFF) & (((old ^ new) & 0x8000) == 0) & ((new & 0x7F80) != 0x7F80)
+        new = torch.where(new >= 0x8000, new - 0x10000, new)
+        bits[idx[keep]] = new[keep].to(torch.int16)
 
 
 @dataclass
