@@ -30,6 +30,34 @@ class RetryPolicy:
         return random.uniform(0, min(self.max_delay_s, self.base_delay_s * 2 ** (attempt - 1)))
 
 
+@dataclass
+class UpdateBackoff:
+    """When a server tries again an update that failed (a swap its engine refused, a snapshot it
+    could not verify): after ``first_s``, then twice as long at each failure of the same snapshot,
+    up to ``max_s``; a new snapshot is tried at once. Without it, an update that fails every time
+    is rebuilt at every poll, taking the cores generation needs (a shadow build of every changed
+    module each time)."""
+
+    first_s: float
+    max_s: float = 60.0
+    snapshot_id: str | None = None
+    failures: int = 0
+    not_before: float = 0.0  # time.monotonic() seconds
+
+    def failed(self, snapshot_id: str, now: float) -> None:
+        """The update to ``snapshot_id`` failed at ``now``."""
+        self.failures = self.failures + 1 if snapshot_id == self.snapshot_id else 1
+        self.snapshot_id = snapshot_id
+        self.not_before = now + min(self.max_s, self.first_s * 2 ** (self.failures - 1))
+
+    def wait_s(self, snapshot_id: str, now: float) -> float:
+        """Seconds until an update to ``snapshot_id`` may be tried again (0: now)."""
+        return max(0.0, self.not_before - now) if snapshot_id == self.snapshot_id else 0.0
+
+    def succeeded(self) -> None:
+        self.snapshot_id, self.failures, self.not_before = None, 0, 0.0
+
+
 async def retry(
     op: Callable[[], Awaitable[T]],
     policy: RetryPolicy,

@@ -33,6 +33,7 @@ from .host_copy import HostCopy
 from .manifest import Encoding, Manifest, SnapshotKind
 from .metrics import failure_kind, subscriber_metrics
 from .rebuild import Meter, replay
+from .retry import UpdateBackoff
 from .settings import Settings
 from .signing import TrustedKeys, split_paths
 from .stores import Store, open_store
@@ -80,6 +81,8 @@ class Subscriber:
         self._updates = 0
         self._paused_total = 0.0
         self._failures = 0
+        self._backoff = UpdateBackoff(first_s=settings.poll_interval)
+        self._attempt: str | None = None  # the snapshot the sync under way moves to, once known
         self._metrics = subscriber_metrics()
         self._seen: freshness.Seen | None = None  # the record of the newest snapshot verified before
         self._seen_loaded = False
@@ -157,7 +160,7 @@ class Subscriber:
         # and stop() would then wait for a whole poll interval.
         while not self._stopping:
             polled = time.monotonic()
-            await self.sync()
+            await self.sync(backoff=True)
             codec_warm_up.start_warm_up(encoder=False)  # once per process
             try:
                 await asyncio.wait_for(self._wake.wait(), self.settings.poll_interval)
@@ -169,17 +172,21 @@ class Subscriber:
 
     # ------------------------------------------------------------------ updates
 
-    async def sync(self, *, force_base: bool = False, allow_older: bool = False) -> bool:
+    async def sync(self, *, force_base: bool = False, allow_older: bool = False, backoff: bool = False) -> bool:
         """Move the engine to the newest snapshot if it is not there; True if it swapped.
 
         With ``force_base`` (a resync) the newest base and its deltas are reloaded even if the
         current chain looks fine; that never moves the engine to an older step unless
-        ``allow_older``. Never raises for store, data or engine errors: they land in
-        :meth:`status`.
+        ``allow_older``. With ``backoff`` (the poller), a snapshot whose update failed is tried
+        again only once its :class:`~delta_swap.retry.UpdateBackoff` ends. Never raises for store,
+        data or engine errors: they land in :meth:`status`.
         """
         async with self._lock:
             try:
-                return await self._sync(force_base, allow_older)
+                swapped = await self._sync(force_base, allow_older, backoff)
+                if swapped:
+                    self._backoff.succeeded()
+                return swapped
             except EngineStateUnknownError as exc:
                 self._record_error(exc)
                 self._current = self._state = self._held = None  # reload every tensor at the next poll
@@ -192,7 +199,7 @@ class Subscriber:
                 self._record_error(exc)
                 return False
             finally:
-                self._staged_id = self._phase = self._phase_since = self._sync_since = None
+                self._staged_id = self._phase = self._phase_since = self._sync_since = self._attempt = None
                 self._export_metrics()
 
     async def resync(self, *, allow_older: bool = False) -> bool:
@@ -214,6 +221,8 @@ class Subscriber:
         return ok
 
     def _record_error(self, exc: BaseException) -> None:
+        if self._attempt is not None:  # tried again later, and later at each failure (UpdateBackoff)
+            self._backoff.failed(self._attempt, time.monotonic())
         kind = failure_kind(exc)
         self._metrics.failures.labels(kind).inc()
         self._failures += 1
@@ -248,7 +257,7 @@ class Subscriber:
     def _enter_phase(self, phase: str) -> None:
         self._phase, self._phase_since = phase, time.monotonic()
 
-    async def _sync(self, force_base: bool, allow_older: bool = False) -> bool:
+    async def _sync(self, force_base: bool, allow_older: bool = False, backoff: bool = False) -> bool:
         self._enter_phase("poll")
         self._sync_since = self._phase_since
         await self._read_heartbeat()
@@ -272,6 +281,9 @@ class Subscriber:
         path = await self._plan(newest, force_base)
         target = path[-1] if path else self._held  # no path: a failed swap's update, decoded already
         assert target is not None
+        if backoff and self._backoff.wait_s(target.snapshot_id, time.monotonic()) > 0:
+            return False  # it failed a moment ago: tried again once its backoff ends
+        self._attempt = target.snapshot_id
         if not allow_older:
             freshness.refuse_going_back(target, seen, "this server", _OVERRIDE)
         self.adapter.served.check_fits(target.specs)  # before a byte is fetched
@@ -506,6 +518,8 @@ class Subscriber:
             # Seconds the engine generated nothing because of updates (pause + swap + resume, summed).
             "paused_seconds_total": round(self._paused_total, 6),
             "failures": self._failures,
+            # Seconds until an update that failed is tried again (None: none is waiting).
+            "retry_in_s": self._retry_in_s(),
             "engine": self.adapter.name,
             "drain": self.settings.drain.value,
         }
@@ -520,6 +534,11 @@ class Subscriber:
         except Exception as exc:
             details["engine_error"] = f"{type(exc).__name__}: {self._public_message(exc)}"
         return {**self.status(), **details}
+
+    def _retry_in_s(self) -> float | None:
+        failed = self._backoff.snapshot_id
+        wait = self._backoff.wait_s(failed, time.monotonic()) if failed is not None else 0.0
+        return round(wait, 3) if wait > 0 else None
 
     def _staleness_steps(self) -> int | None:
         if self._current is None:

@@ -586,3 +586,44 @@ async def test_a_staging_folder_without_room_for_the_copy_decodes_into_memory(tm
     assert engine.updates[0].state_file is None and _weights_files(staging) == []
     assert_state_equal(engine.weights, steps[1])
     await sub.stop()
+
+
+async def test_the_poller_backs_off_from_an_update_that_keeps_failing(tmp_path) -> None:
+    """An update the engine refuses every time is not rebuilt at every poll (on the shadow path that
+    is a build of every changed module, on the cores generation needs): the poller tries it again
+    after poll_interval, then twice as long at each failure, and says when in its status; a direct
+    sync() tries at once, and a success ends the backoff."""
+    steps = rl_steps(3)
+    _publish(tmp_path, steps[:1], base_every=100)
+    tries: list[float] = []
+
+    class Refuses(RecordingAdapter):
+        refuse = True
+
+        async def stage(self, update):
+            if update.version == "step-0000000001":
+                tries.append(asyncio.get_running_loop().time())
+                if self.refuse:
+                    raise SwapUndoneError("the engine refused it, as it will every time")
+            return await super().stage(update)
+
+    engine = Refuses()
+    sub = Subscriber(Settings(store=str(tmp_path), poll_interval=0.1), engine)
+    assert await sub.sync() and sub.current.step == 0
+    _publish(tmp_path, steps[1:2], start=1, base_every=100)
+    sub.start()
+    for _ in range(600):  # the first try (after the decoder's warm-up)
+        if tries:
+            break
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(1.6)  # without a backoff: ~16 more tries; with it: at 0.1, 0.3, 0.7, 1.5 s
+    status = sub.status()
+    assert 3 <= len(tries) <= 6, tries
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert all(gap >= 0.1 * 2**i for i, gap in enumerate(gaps)), gaps  # each at least its backoff
+    assert status["current_step"] == 0 and status["failures"] == len(tries)
+    assert status["retry_in_s"] is not None and 0 < status["retry_in_s"] <= 0.1 * 2 ** len(tries)
+    await sub.stop()
+    engine.refuse = False
+    assert await sub.sync() and sub.current.step == 1  # a direct call does not wait
+    assert sub.status()["retry_in_s"] is None
