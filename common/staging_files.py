@@ -10,9 +10,9 @@ blocking the event loop.
 Where asking goes through the engine's own loop (vLLM: an RPC to every worker), each question
 costs the engine a turn and keeps an idle vLLM worker spinning on its message queue (it busy-waits
 for a second after every call), on the cores the build needs. There each process also rings a
-*doorbell* when it is done (:func:`ring_doorbell`: a file, no call into the engine), and the
-adapter asks again only when every doorbell rang, or after :data:`STAGE_ASK_S` (which notices a
-process that died).
+*doorbell* when it is done (:func:`ring_doorbell`: a file in a folder of its own, no call into
+the engine), and the adapter asks again only when every doorbell rang, or after
+:data:`STAGE_ASK_S` (which notices a process that died).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import asyncio
 import atexit
 import fcntl
 import os
+import shutil
 import threading
 import time
 import uuid
@@ -156,20 +157,36 @@ def stage_tensors(
     return StagedTensors(path, names, owned=True)
 
 
+def make_doorbell(staging_dir: str) -> str:
+    """A new doorbell: an empty folder of its own in ``staging_dir``, which each process rings by
+    leaving a file in it (:func:`ring_doorbell`). Looking at it every :data:`STAGE_POLL_S` lists
+    that folder alone, not the staging folder (``/dev/shm`` holds the engines' own files too: a
+    thousand names to match at every look, 5% of a core beside the build)."""
+    path = staging_file(staging_dir, "staged", ".done")
+    os.mkdir(path)
+    return path
+
+
 def ring_doorbell(doorbell: str) -> None:
-    """Say that this process is done staging (``doorbell.<pid>``; see :func:`doorbells_rung`)."""
-    Path(f"{doorbell}.{os.getpid()}").touch()
+    """Say that this process is done staging (a file ``<pid>`` in the ``doorbell`` folder; nothing
+    if the adapter removed it meanwhile: it stopped waiting)."""
+    try:
+        Path(doorbell, str(os.getpid())).touch()
+    except FileNotFoundError:
+        pass
 
 
 def doorbells_rung(doorbell: str) -> int:
     """How many processes rang ``doorbell`` (:func:`ring_doorbell`)."""
-    return sum(1 for _ in Path(doorbell).parent.glob(Path(doorbell).name + ".*"))
+    try:
+        return len(os.listdir(doorbell))
+    except FileNotFoundError:
+        return 0
 
 
 def remove_doorbells(doorbell: str) -> None:
-    """Remove what :func:`ring_doorbell` left for ``doorbell``."""
-    for file in Path(doorbell).parent.glob(Path(doorbell).name + ".*"):
-        file.unlink(missing_ok=True)
+    """Remove ``doorbell`` and what :func:`ring_doorbell` left in it."""
+    shutil.rmtree(doorbell, ignore_errors=True)
 
 
 async def until_staged(

@@ -227,10 +227,11 @@ async def test_with_a_doorbell_the_adapter_asks_again_once_every_process_rang(tm
     import threading
 
     from delta_swap import staging_files
-    from delta_swap.staging_files import doorbells_rung, remove_doorbells, ring_doorbell, until_staged
+    from delta_swap.staging_files import doorbells_rung, make_doorbell, remove_doorbells, ring_doorbell, until_staged
 
     monkeypatch.setattr(staging_files, "STAGE_ASK_S", 60.0)
-    doorbell = str(tmp_path / "staged.done")
+    (tmp_path / "delta-swap-arena-1-x").touch()  # the staging folder's other files do not count
+    doorbell = make_doorbell(str(tmp_path))
     done = threading.Event()
     asked = []
 
@@ -240,7 +241,7 @@ async def test_with_a_doorbell_the_adapter_asks_again_once_every_process_rang(tm
 
     def two_processes_finish() -> None:
         ring_doorbell(doorbell)  # the first: not enough
-        Path(f"{doorbell}.other-pid").touch()
+        Path(doorbell, "other-pid").touch()
         done.set()
 
     threading.Timer(0.2, two_processes_finish).start()
@@ -249,7 +250,9 @@ async def test_with_a_doorbell_the_adapter_asks_again_once_every_process_rang(tm
     assert answers == [{"done": True}] * 2 and len(asked) == 2 and time.monotonic() - started < 30
     assert doorbells_rung(doorbell) == 2
     remove_doorbells(doorbell)
-    assert doorbells_rung(doorbell) == 0 and not list(tmp_path.iterdir())
+    assert doorbells_rung(doorbell) == 0 and [p.name for p in tmp_path.iterdir()] == ["delta-swap-arena-1-x"]
+    ring_doorbell(doorbell)  # a process done after the adapter stopped waiting: nothing is left
+    assert [p.name for p in tmp_path.iterdir()] == ["delta-swap-arena-1-x"]
 
 
 async def test_without_a_rung_doorbell_the_adapter_still_asks_every_stage_ask_s(tmp_path, monkeypatch) -> None:

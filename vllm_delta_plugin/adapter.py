@@ -56,7 +56,14 @@ from delta_swap.staged_swap import (
     injected_swap_failure,
     merge_staged,
 )
-from delta_swap.staging_files import StagedTensors, remove_doorbells, stage_tensors, staging_file, until_staged
+from delta_swap.staging_files import (
+    StagedTensors,
+    make_doorbell,
+    remove_doorbells,
+    stage_tensors,
+    staging_file,
+    until_staged,
+)
 from delta_swap.tensors import StateDict, TensorSpecs
 from delta_swap.verify_budget import VerifyBudget
 
@@ -288,7 +295,7 @@ class VllmAdapter(EngineAdapter):
         parameters, or build shadow modules; on a thread of its own, so the engine generates
         meanwhile), and wait until all have; returns why a worker cannot (None: all did)."""
         fail_after = injected_failure(FAIL_BUILD_ENV) if op == "stage_shadow" else -1
-        doorbell = staging_file(self.settings.staging_dir, "staged", ".done")
+        doorbell = await asyncio.to_thread(make_doorbell, self.settings.staging_dir)
         output = path + ".staged.json"
 
         async def ask() -> list[dict[str, Any]]:
