@@ -26,6 +26,7 @@ from benchmarks.harness import (
     engine_server,
     make_model,
     model_bytes,
+    served_after,
     status,
     wait_ready,
     wait_step,
@@ -44,10 +45,9 @@ def measure(engine: str, size: str, work: Path, updates: int) -> dict:
             wait_ready(server.url)
             for i in range(updates):
                 trainer.advance()  # the synthetic training step is not part of the latency
-                start = time.perf_counter()
+                started = time.time()
                 trainer.publish_current()
-                wait_step(server.url, trainer.step)
-                delta.append(time.perf_counter() - start)
+                delta.append(served_after(wait_step(server.url, trainer.step), started))
                 start = time.perf_counter()
                 folder = trainer.write_checkpoint(run / f"checkpoint-{i}")
                 engine_reload(engine, server.url, folder, status(server.url)["current_snapshot_id"])

@@ -52,6 +52,7 @@ from benchmarks.harness import (
     engine_server,
     model_bytes,
     process_tree,
+    served_after,
     wait_ready,
     wait_step,
 )
@@ -123,10 +124,10 @@ def measure_one(size: str, cores: int, work: Path, steps: int, level: int, swap_
             row["swap_path_reason"] = st.get("swap_path_reason")
             for i in range(steps):
                 trainer.advance()
-                start = time.perf_counter()
+                started = time.time()
                 publish_s = trainer.publish_current()
                 st = wait_step(server.url, trainer.step, timeout=3600)
-                serving_s = time.perf_counter() - start
+                serving_s = served_after(st, started)
                 manifest = trainer.publisher.last_manifest
                 start = time.perf_counter()
                 folder = trainer.write_checkpoint(run / f"checkpoint-{i}")

@@ -71,6 +71,7 @@ class Subscriber:
         self._host_copy: HostCopy | None = None  # for an engine that copies updates
         self._state_in_copy = False  # whether _state's tensors live in it (and are decoded over)
         self._current: Manifest | None = None
+        self._current_since: float | None = None  # time.time() when the engine began serving it
         self._newest: Manifest | None = None
         self._staged_id: str | None = None
         self._last_error: str | None = None
@@ -189,7 +190,7 @@ class Subscriber:
                 return swapped
             except EngineStateUnknownError as exc:
                 self._record_error(exc)
-                self._current = self._state = self._held = None  # reload every tensor at the next poll
+                self._current = self._state = self._held = self._current_since = None  # reload every tensor next
                 return False
             except (DeltaSwapError, OSError, asyncio.TimeoutError) as exc:
                 self._record_error(exc)
@@ -339,6 +340,7 @@ class Subscriber:
             raise
         self._state_in_copy = copy is not None
         self._state, self._held, self._current = state, target, target
+        self._current_since = time.time()
         self._remember(target)
         self._last_timings = timings
         self._last_path = [m.snapshot_id for m in path]
@@ -492,6 +494,9 @@ class Subscriber:
             "authenticated": self._trusted is not None,
             "current_snapshot_id": cur and cur.snapshot_id,
             "current_step": cur and cur.step,
+            # Unix time at which the engine began serving it (its swap's resume): with a publisher's
+            # clock, publish -> serving without polling the status at a high rate.
+            "current_since": self._current_since,
             "newest_snapshot_id": newest and newest.snapshot_id,
             "newest_step": newest and newest.step,
             "staleness_steps": self._staleness_steps(),

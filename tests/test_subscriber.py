@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -37,10 +38,14 @@ async def test_follows_deltas_and_hands_over_only_changed_tensors(tmp_path) -> N
     _publish(tmp_path, steps[:2], base_every=100)
     engine = RecordingAdapter()
     sub = Subscriber(Settings(store=str(tmp_path)), engine)
+    assert sub.status()["current_since"] is None
     assert await sub.sync() and sub.current.step == 1
+    first_since = sub.status()["current_since"]
     assert len(engine.updates[0].names) == len(steps[0])  # first sync: everything
     _publish(tmp_path, steps[2:4], start=2, base_every=100)
+    published = time.time()
     assert await sub.sync() and sub.current.step == 3
+    assert first_since < published <= sub.status()["current_since"] <= time.time()  # when step 3 began serving
     assert engine.updates[1].names  # deltas replayed from step 1
     assert engine.version == "step-0000000003" and engine.calls[-3:] == ["pause:keep", "swap:step-0000000003", "resume"]
     assert not await sub.sync()  # nothing new
