@@ -208,14 +208,14 @@ def _with_non_finite_rows(
         return expected
     starts = list(itertools.accumulate((t.shape[0] for t in parts[:-1]), initial=0))
     located = [(bisect.bisect_right(starts, i) - 1, i) for i in suspects]
-    rows = torch.stack([parts[p][i - starts[p]] for p, i in located]).double()
+    rows = torch.stack([parts[p][i - starts[p]] for p, i in located]).float()  # bf16 and fp16 exactly
     bad = ~torch.isfinite(rows).all(1)
     if not bool(bad.any()):
         return expected
     expected = expected.clone()
     at = torch.tensor(suspects)[bad]
     for r, j in enumerate(picks):
-        one_hot = torch.zeros(rows.shape[1], dtype=torch.float64)
+        one_hot = torch.zeros(rows.shape[1])
         one_hot[j] = 1
         expected[r, at] = (rows[bad] * one_hot).sum(1).to(expected.dtype)
     return expected
