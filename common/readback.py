@@ -29,8 +29,6 @@ no engine: how a tensor is sharded is the engine package's business.
 
 from __future__ import annotations
 
-import bisect
-import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -43,6 +41,8 @@ from .module_groups import module_of
 #: Evenly spread elements compared per plain parameter, and one-hot columns per linear layer.
 SAMPLES = 4096
 PROBES = 4
+#: Weight rows read at a time when working out the one-hot outputs of rows holding Inf or NaN.
+ROW_CHUNK = 1024
 
 #: ``shard(module_path, module, parameter, parts)``: what this rank's ``parameter`` of ``module``
 #: must hold once ``parts`` (checkpoint name -> published tensor, in the engine's fused order) are
@@ -199,25 +199,31 @@ def _probe_linear(
 def _with_non_finite_rows(
     expected: torch.Tensor, live: torch.Tensor, parts: Sequence[torch.Tensor], picks: Sequence[int]
 ) -> torch.Tensor:
-    """``expected`` (the probed columns), except in the weight rows that hold an Inf or a NaN:
-    there a one-hot product is not the column's value (``0 * inf`` is NaN), so such a row's
-    expected outputs are the exact products. Only rows whose live output is not finite are read
-    (a published row with no Inf or NaN keeps its column value, so garbage there still shows)."""
-    suspects = (~torch.isfinite(live)).any(0).nonzero().flatten().tolist()
-    if not suspects:
-        return expected
-    starts = list(itertools.accumulate((t.shape[0] for t in parts[:-1]), initial=0))
-    located = [(bisect.bisect_right(starts, i) - 1, i) for i in suspects]
-    rows = torch.stack([parts[p][i - starts[p]] for p, i in located]).float()  # bf16 and fp16 exactly
-    bad = ~torch.isfinite(rows).all(1)
-    if not bool(bad.any()):
+    """``expected`` (the probed columns, on ``live``'s device), except in the weight rows that hold
+    an Inf or a NaN: there a one-hot product is not the column's value (``0 * inf`` is NaN). Such a
+    row's output for column ``j`` is ``W[i, j]`` where that is the row's only non-finite value, else
+    NaN. Only rows whose live output is not finite are read, :data:`ROW_CHUNK` at a time (a
+    published row with no Inf or NaN keeps its column value, so garbage there still shows)."""
+    expected = expected.to(live.device)
+    suspects = (~torch.isfinite(live)).any(0).nonzero().flatten()
+    if not len(suspects):
         return expected
     expected = expected.clone()
-    at = torch.tensor(suspects)[bad]
-    for r, j in enumerate(picks):
-        one_hot = torch.zeros(rows.shape[1])
-        one_hot[j] = 1
-        expected[r, at] = (rows[bad] * one_hot).sum(1).to(expected.dtype)
+    picked = torch.tensor(list(picks))
+    start = 0
+    for part in parts:
+        mine = suspects[(suspects >= start) & (suspects < start + part.shape[0])]
+        for chunk in mine.split(ROW_CHUNK):
+            rows = part.index_select(0, (chunk - start).to(part.device))
+            odd = (~torch.isfinite(rows)).sum(1).cpu()  # non-finite values per row
+            bad = odd > 0
+            if not bool(bad.any()):
+                continue
+            values = rows.index_select(1, picked.to(rows.device)).cpu()[bad]  # (bad rows, probes)
+            alone = (odd[bad] == 1).unsqueeze(1) & ~torch.isfinite(values)
+            nan = torch.full_like(values, float("nan"))
+            expected[:, chunk[bad]] = torch.where(alone, values, nan).t().to(expected.dtype)
+        start += part.shape[0]
     return expected
 
 
