@@ -25,7 +25,7 @@ point here::
              atomic_file            files replaced whole or not at all (a temp file renamed over)
     stores   stores/                one async Store interface; file://, s3:// (aiobotocore),
                                     http(s):// (httpx, read only); a registry keyed by URL scheme
-             retry                  backoff with jitter
+             retry                  backoff: jitter for stores, the poller's wait after a failed update
     chain    chain                  reading HEAD, manifests and paths through the chain
              freshness              never going back: the newest snapshot a reader verified
              heartbeat              the trainer's signed heartbeat (a frozen HEAD shows as stale)

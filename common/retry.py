@@ -1,4 +1,5 @@
-"""Retries with exponential backoff and full jitter for flaky networks and stores."""
+"""Retries with exponential backoff: full jitter for flaky networks and stores, and the poller's
+wait before it tries again an update that failed."""
 
 from __future__ import annotations
 
@@ -48,13 +49,14 @@ class UpdateBackoff:
         """The update to ``snapshot_id`` failed at ``now``."""
         self.failures = self.failures + 1 if snapshot_id == self.snapshot_id else 1
         self.snapshot_id = snapshot_id
-        self.not_before = now + min(self.max_s, self.first_s * 2 ** (self.failures - 1))
+        self.not_before = now + min(self.max_s, self.first_s * 2 ** min(self.failures - 1, 32))
 
     def wait_s(self, snapshot_id: str, now: float) -> float:
         """Seconds until an update to ``snapshot_id`` may be tried again (0: now)."""
         return max(0.0, self.not_before - now) if snapshot_id == self.snapshot_id else 0.0
 
-    def succeeded(self) -> None:
+    def reset(self) -> None:
+        """Forget the failures (an update succeeded, or the next try must not wait)."""
         self.snapshot_id, self.failures, self.not_before = None, 0, 0.0
 
 

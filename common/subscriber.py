@@ -186,10 +186,11 @@ class Subscriber:
             try:
                 swapped = await self._sync(force_base, allow_older, backoff)
                 if swapped:
-                    self._backoff.succeeded()
+                    self._backoff.reset()
                 return swapped
             except EngineStateUnknownError as exc:
                 self._record_error(exc)
+                self._backoff.reset()  # the repair (every tensor reloaded) is tried at the next poll
                 self._current = self._state = self._held = self._current_since = None  # reload every tensor next
                 return False
             except (DeltaSwapError, OSError, asyncio.TimeoutError) as exc:
@@ -284,7 +285,8 @@ class Subscriber:
         assert target is not None
         if backoff and self._backoff.wait_s(target.snapshot_id, time.monotonic()) > 0:
             return False  # it failed a moment ago: tried again once its backoff ends
-        self._attempt = target.snapshot_id
+        if not force_base:  # a resync that fails is not retried by the poller: nothing to wait for
+            self._attempt = target.snapshot_id
         if not allow_older:
             freshness.refuse_going_back(target, seen, "this server", _OVERRIDE)
         self.adapter.served.check_fits(target.specs)  # before a byte is fetched
@@ -494,8 +496,8 @@ class Subscriber:
             "authenticated": self._trusted is not None,
             "current_snapshot_id": cur and cur.snapshot_id,
             "current_step": cur and cur.step,
-            # Unix time at which the engine began serving it (its swap's resume): with a publisher's
-            # clock, publish -> serving without polling the status at a high rate.
+            # Unix time at which its update ended (the swap's resume, then the staged files' removal):
+            # with a publisher's clock, publish -> serving without asking the status at a high rate.
             "current_since": self._current_since,
             "newest_snapshot_id": newest and newest.snapshot_id,
             "newest_step": newest and newest.step,
@@ -542,8 +544,8 @@ class Subscriber:
 
     def _retry_in_s(self) -> float | None:
         failed = self._backoff.snapshot_id
-        wait = self._backoff.wait_s(failed, time.monotonic()) if failed is not None else 0.0
-        return round(wait, 3) if wait > 0 else None
+        wait = round(self._backoff.wait_s(failed, time.monotonic()), 3) if failed is not None else 0.0
+        return wait if wait > 0 else None
 
     def _staleness_steps(self) -> int | None:
         if self._current is None:

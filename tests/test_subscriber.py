@@ -617,18 +617,33 @@ async def test_the_poller_backs_off_from_an_update_that_keeps_failing(tmp_path) 
     assert await sub.sync() and sub.current.step == 0
     _publish(tmp_path, steps[1:2], start=1, base_every=100)
     sub.start()
-    for _ in range(600):  # the first try (after the decoder's warm-up)
-        if tries:
+    for _ in range(6000):  # until the fourth failure (the first try waits for the decoder's warm-up)
+        if sub.status()["failures"] >= 4:
             break
-        await asyncio.sleep(0.1)
-    await asyncio.sleep(1.6)  # without a backoff: ~16 more tries; with it: at 0.1, 0.3, 0.7, 1.5 s
+        await asyncio.sleep(0.01)
     status = sub.status()
-    assert 3 <= len(tries) <= 6, tries
     gaps = [b - a for a, b in zip(tries, tries[1:])]
-    assert all(gap >= 0.1 * 2**i for i, gap in enumerate(gaps)), gaps  # each at least its backoff
-    assert status["current_step"] == 0 and status["failures"] == len(tries)
-    assert status["retry_in_s"] is not None and 0 < status["retry_in_s"] <= 0.1 * 2 ** len(tries)
+    assert len(tries) == status["failures"] == 4, (tries, status)
+    assert all(gap >= 0.1 * 2**i for i, gap in enumerate(gaps)), gaps  # 0.1, 0.2, 0.4 s at least
+    assert status["current_step"] == 0 and 0 < status["retry_in_s"] <= 0.8  # the fourth wait: 0.8 s
     await sub.stop()
     engine.refuse = False
     assert await sub.sync() and sub.current.step == 1  # a direct call does not wait
     assert sub.status()["retry_in_s"] is None
+
+
+def test_the_backoff_grows_to_its_cap_and_never_overflows() -> None:
+    """A snapshot refused for days (thousands of failures) waits max_s, and 2 ** n never overflows."""
+    from delta_swap.retry import UpdateBackoff
+
+    backoff = UpdateBackoff(first_s=2.0, max_s=60.0)
+    waits = []
+    for _ in range(2000):
+        backoff.failed("step-1", now=0.0)
+        waits.append(backoff.wait_s("step-1", now=0.0))
+    assert waits[:6] == [2.0, 4.0, 8.0, 16.0, 32.0, 60.0] and waits[-1] == 60.0
+    assert backoff.wait_s("step-2", now=0.0) == 0.0  # a newer snapshot does not wait
+    backoff.failed("step-2", now=0.0)
+    assert backoff.wait_s("step-2", now=0.0) == 2.0  # and starts from the first wait
+    backoff.reset()
+    assert backoff.wait_s("step-2", now=0.0) == 0.0
