@@ -185,8 +185,14 @@ def doorbells_rung(doorbell: str) -> int:
 
 
 def remove_doorbells(doorbell: str) -> None:
-    """Remove ``doorbell`` and what :func:`ring_doorbell` left in it."""
-    shutil.rmtree(doorbell, ignore_errors=True)
+    """Remove ``doorbell`` and what :func:`ring_doorbell` left in it (moved away first: a process
+    ringing meanwhile finds no folder, rather than one that is half removed)."""
+    gone = f"{doorbell}.{uuid.uuid4().hex[:8]}.gone"
+    try:
+        os.rename(doorbell, gone)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(gone, ignore_errors=True)
 
 
 async def until_staged(
