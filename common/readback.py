@@ -10,7 +10,8 @@ through the engine's own layout, at a bounded cost per module:
   ``samples`` evenly spread positions;
 * a linear layer (its weight possibly repacked away) is probed with one-hot inputs through its own
   ``quant_method.apply``: the output of ``e_j`` is column ``j`` of the weight, exactly (products by
-  one, sums with zeros), so a stale or garbage packed copy shows;
+  one, sums with zeros), so a stale or garbage packed copy shows (a published row holding an Inf
+  or a NaN gives NaN there, ``0 * inf``: its expected outputs are worked out the same way);
 * MoE experts are compared, for one sampled expert per layer, with the published expert processed
   by the experts kernel's own post-load processing (e.g. the CPU prepack); experts the engine holds
   in a form of its own (quantized as it loads them) go to the engine's own check
