@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -81,7 +82,6 @@ def test_publish_leaves_no_process_behind(tmp_path, checkpoints) -> None:
     child process that could outlive it, orphaned; such a child is slowed down here, as a cold
     compile is, by a sitecustomize that only it runs): a delta loads the kernels as it encodes,
     and a base needs none. Nothing it started runs on after it."""
-    import os
     import uuid
 
     site = tmp_path / "site"
@@ -120,6 +120,43 @@ def test_publish_leaves_no_process_behind(tmp_path, checkpoints) -> None:
         return found
 
     assert left() == []
+
+
+_RUN_WITH_A_HOOK_AND_A_THREAD = """
+import atexit, sys, threading, time
+atexit.register(print, "atexit hook ran")
+threading.Thread(target=lambda: (time.sleep(1.0), print("thread done"))).start()
+sys.argv = ["delta-swap", *sys.argv[1:]]
+from delta_swap import cli
+cli.run()
+print("not reached")
+"""
+
+
+def test_the_command_exits_quickly_yet_as_a_normal_exit_does(tmp_path, checkpoints) -> None:
+    """``delta-swap`` ends with ``os._exit`` once main returned (the interpreter's teardown costs
+    a process per step ~0.3 s): a thread that is not a daemon still finishes, the atexit hooks
+    still run, what they and main printed still reaches a pipe, and the exit code is main's."""
+    cases = [
+        (["publish", str(checkpoints[0]), "--store", str(tmp_path / "s"), "--step", "0", "--quiet"], 0),
+        (["publish", str(tmp_path / "no-such-dir"), "--store", str(tmp_path / "s"), "--step", "1"], 1),
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # a pipe is block-buffered
+    for argv, code in cases:
+        proc = subprocess.run(
+            [sys.executable, "-c", _RUN_WITH_A_HOOK_AND_A_THREAD, *argv],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+        assert proc.returncode == code, proc.stderr
+        lines = proc.stdout.splitlines()
+        assert "not reached" not in lines and lines[-2:] == ["thread done", "atexit hook ran"], proc.stdout
+        if code == 0:
+            assert lines[0].startswith("published step-0000000000 (base, step 0)")
+        else:
+            assert proc.stderr.strip().splitlines()[-1].startswith("delta-swap publish: error: checkpoint directory")
 
 
 def test_publish_continues_from_a_verified_head_cache(tmp_path, checkpoints) -> None:
