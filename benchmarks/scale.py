@@ -14,13 +14,15 @@ published and served, then ``--steps`` RL-sized updates (2% of the elements move
 benchmarks/harness.py), each timed as
 
 * publish: ``Publisher.publish`` + ``flush`` (host copy, encode, upload to a file:// store,
-  commit), with its model MB/s;
+  commit), with its model MB/s and the trainer process's CPU seconds in it (user + system, and
+  system alone: page faults, the kernel zeroing fresh pages);
 * the server's phases from its status (``last_update_timings_s``): fetch, decode, verify, and
   the swap (stage before the pause, pause + swap + resume);
 * publish -> serving: from the publish call until the server's status reports the step;
 
 and, in the same server, the full-checkpoint alternative: write the weights as a safetensors
-folder, then vLLM's own ``reload_weights`` from it. Peak host memory: the trainer process's
+folder, then vLLM's own ``reload_weights`` from it. Before the publish and before the write,
+``os.sync()`` (untimed) writes back what is dirty, so neither side pays for the other's writes. Peak host memory: the trainer process's
 (``ru_maxrss``, which includes the trainer's own copy of the weights) and the server's (the sum of
 ``VmHWM`` over its process tree). Prints the CPU and its flags, a table of medians, writes
 docs/scale.png and a JSON of every measurement. ``tests/test_scale_smoke.py`` runs a CI-sized one.
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import signal
@@ -124,11 +127,15 @@ def measure_one(size: str, cores: int, work: Path, steps: int, level: int, swap_
             row["swap_path_reason"] = st.get("swap_path_reason")
             for i in range(steps):
                 trainer.advance()
+                os.sync()  # each side starts with no dirty pages of the other's to write back
+                before = resource.getrusage(resource.RUSAGE_SELF)
                 started = time.time()
                 publish_s = trainer.publish_current()
+                used = resource.getrusage(resource.RUSAGE_SELF)
                 st = wait_step(server.url, trainer.step, timeout=3600)
                 serving_s = served_after(st, started)
                 manifest = trainer.publisher.last_manifest
+                os.sync()
                 start = time.perf_counter()
                 folder = trainer.write_checkpoint(run / f"checkpoint-{i}")
                 write_s = time.perf_counter() - start
@@ -136,6 +143,9 @@ def measure_one(size: str, cores: int, work: Path, steps: int, level: int, swap_
                 row["steps"].append(
                     {
                         "publish_s": publish_s,
+                        # the trainer process's CPU in the publish: its threads' user and system time
+                        "publish_cpu_s": used.ru_utime - before.ru_utime + used.ru_stime - before.ru_stime,
+                        "publish_sys_s": used.ru_stime - before.ru_stime,
                         "serving_s": serving_s,
                         "payload_bytes": manifest.payload_bytes if manifest else None,
                         "server": st.get("last_update_timings_s", {}),
@@ -201,7 +211,7 @@ def _median(row: dict, get) -> float:
 
 
 def summarize(rows: list[dict]) -> list[str]:
-    head = f"{'size':>5} {'MB':>6} {'cores':>5} {'path':>7} {'publish s':>9} {'MB/s':>6}"
+    head = f"{'size':>5} {'MB':>6} {'cores':>5} {'path':>7} {'publish s':>9} {'MB/s':>6} {'CPU s':>6} {'sys s':>6}"
     head += "".join(f" {p + ' s':>9}" for p in SERVER_PHASES)
     head += f" {'->serving s':>11} {'write s':>8} {'reload s':>8} {'full s':>7} {'ratio':>6}"
     head += f" {'trainer GB':>10} {'server GB':>9}"
@@ -216,6 +226,8 @@ def summarize(rows: list[dict]) -> list[str]:
         full = _median(r, lambda s: s["write_s"] + s["reload_s"])
         path = r.get("swap_path") or "-"
         line = f"{r['size']:>5} {mb:>6.0f} {r['cores']:>5} {path:>7} {publish:>9.2f} {mb / publish:>6.0f}"
+        line += f" {_median(r, lambda s: s.get('publish_cpu_s', math.nan)):>6.2f}"
+        line += f" {_median(r, lambda s: s.get('publish_sys_s', math.nan)):>6.2f}"
         line += "".join(f" {_median(r, lambda s, p=p: s['server'].get(p, 0.0)):>9.2f}" for p in SERVER_PHASES)
         line += (
             f" {serving:>11.2f} {_median(r, lambda s: s['write_s']):>8.2f} {_median(r, lambda s: s['reload_s']):>8.2f}"

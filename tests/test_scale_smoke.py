@@ -28,6 +28,7 @@ def test_every_step_is_timed_phase_by_phase_on_one_core(row) -> None:
         assert step["payload_bytes"] and step["payload_bytes"] < row["model_bytes"] / 5  # a delta, not a base
         assert {"fetch", "decode", "verify", "pause", "swap"} <= set(step["server"])
         assert 0 < step["publish_s"] < step["serving_s"]  # serving waits for the publish, then the server
+        assert 0 < step["publish_cpu_s"] and 0 <= step["publish_sys_s"] <= step["publish_cpu_s"]
         assert step["write_s"] > 0 and step["reload_s"] > 0
     assert row["trainer_peak_bytes"] > row["model_bytes"] and row["server_peak_bytes"] > row["model_bytes"]
 
@@ -36,6 +37,7 @@ def test_the_table_and_the_plot(row, tmp_path) -> None:
     header, line = scale.summarize([row])
     assert (
         "publish s" in header
+        and "CPU s" in header
         and "reload s" in header
         and line.split()[:4] == ["tiny", f"{row['model_bytes'] / 1e6:.0f}", "1", row["swap_path"]]
     )
