@@ -567,13 +567,13 @@ def _wait_for_codec_warm_up(quiet: bool) -> None:
 def run() -> NoReturn:
     """The ``delta-swap`` command: :func:`main`, then a quick exit. The interpreter's own
     finalization (mostly numba's and LLVM's teardown) takes ~0.3 s, which a trainer that runs
-    ``delta-swap publish`` at every step would pay every step. So once :func:`main` returned, the
-    threads that are not daemons are joined and the atexit hooks run (logging's flush, the codec
-    warm-up's stop), as at a normal exit; stdout and stderr are flushed, and the process ends."""
+    ``delta-swap publish`` at every step would pay every step. So once :func:`main` returned, what
+    a normal exit does before that teardown runs, in its order: threading's exit hooks (idle
+    ``concurrent.futures`` workers told to stop) and the join of the threads that are not daemons
+    (``threading._shutdown``, as the interpreter calls it), then the atexit hooks (logging's
+    flush, the codec warm-up's stop); stdout and stderr are flushed, and the process ends."""
     code = main()
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    threading._shutdown()  # type: ignore[attr-defined]  # the interpreter's own first step at exit
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

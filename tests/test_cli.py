@@ -124,8 +124,10 @@ def test_publish_leaves_no_process_behind(tmp_path, checkpoints) -> None:
 
 _RUN_WITH_A_HOOK_AND_A_THREAD = """
 import atexit, sys, threading, time
+from concurrent.futures import ThreadPoolExecutor
 atexit.register(print, "atexit hook ran")
 threading.Thread(target=lambda: (time.sleep(1.0), print("thread done"))).start()
+ThreadPoolExecutor(1).submit(lambda: None).result()  # an idle worker, never shut down
 sys.argv = ["delta-swap", *sys.argv[1:]]
 from delta_swap import cli
 cli.run()
@@ -135,8 +137,9 @@ print("not reached")
 
 def test_the_command_exits_quickly_yet_as_a_normal_exit_does(tmp_path, checkpoints) -> None:
     """``delta-swap`` ends with ``os._exit`` once main returned (the interpreter's teardown costs
-    a process per step ~0.3 s): a thread that is not a daemon still finishes, the atexit hooks
-    still run, what they and main printed still reaches a pipe, and the exit code is main's."""
+    a process per step ~0.3 s): a thread that is not a daemon still finishes, an idle executor
+    worker does not hold the exit up, the atexit hooks still run, what they and main printed
+    still reaches a pipe, and the exit code is main's."""
     cases = [
         (["publish", str(checkpoints[0]), "--store", str(tmp_path / "s"), "--step", "0", "--quiet"], 0),
         (["publish", str(tmp_path / "no-such-dir"), "--store", str(tmp_path / "s"), "--step", "1"], 1),
@@ -147,7 +150,7 @@ def test_the_command_exits_quickly_yet_as_a_normal_exit_does(tmp_path, checkpoin
             [sys.executable, "-c", _RUN_WITH_A_HOOK_AND_A_THREAD, *argv],
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=120,
             env=env,
         )
         assert proc.returncode == code, proc.stderr
