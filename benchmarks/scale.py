@@ -22,9 +22,9 @@ benchmarks/harness.py), each timed as
 
 and, in the same server, the full-checkpoint alternative: write the weights as a safetensors
 folder, then vLLM's own ``reload_weights`` from it. Before the publish and before the write,
-``os.sync()`` (untimed) writes back what is dirty, so neither side pays for the other's writes. Peak host memory: the trainer process's
-(``ru_maxrss``, which includes the trainer's own copy of the weights) and the server's (the sum of
-``VmHWM`` over its process tree). Prints the CPU and its flags, a table of medians, writes
+``os.sync()`` (untimed) writes back what is dirty, so neither side pays for the other's writes.
+Peak host memory: the trainer process's (``ru_maxrss``, which includes the trainer's own copy of
+the weights) and the server's (the sum of ``VmHWM`` over its process tree). Prints the CPU and its flags, a table of medians, writes
 docs/scale.png and a JSON of every measurement. ``tests/test_scale_smoke.py`` runs a CI-sized one.
 
 The server swaps on the path its CPU gives it (``auto``: the arena where vLLM keeps plain weights,
