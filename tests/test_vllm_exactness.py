@@ -203,9 +203,15 @@ class TestQwen2Shadow(InjectedFailures):
 
 
 class TestQwen3TiedShadow(VllmExactness):
-    """The embedding alone of a tied model: the tied head is rebuilt on the new embedding."""
+    """The embedding alone of a tied model: the tied head is rebuilt on the new embedding; its
+    processes keep the memory each update frees (``keep_freed_memory``: glibc's heap, not trimmed)."""
 
     family, swap_path = "qwen3", "shadow"
+    settings = {"keep_freed_memory": True}
+
+    def test_the_server_keeps_freed_memory_for_the_next_update(self, chain: Chain) -> None:
+        st = status(chain.server.url)
+        assert st["freed_memory"] == "kept for the next update", st
 
 
 @pytest.mark.full_matrix(

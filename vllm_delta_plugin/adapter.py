@@ -155,6 +155,8 @@ class VllmAdapter(EngineAdapter):
         self.inplace = False
         #: Whether the workers build shadow modules before the pause (the shadow path).
         self.shadow = False
+        #: What the workers do with the memory an update frees (``Settings.keep_freed_memory``).
+        self.freed_memory: str | None = None
         #: What the workers staged for the last in-place or shadow swap ({"elements" or "modules",
         #: "bytes", "seconds"}; "fallback": why it was reloaded instead).
         self.last_staged: dict[str, Any] | None = None
@@ -190,6 +192,7 @@ class VllmAdapter(EngineAdapter):
             if self._described
             else None,
             "swap_path_reason": self.path_reason,
+            "freed_memory": self.freed_memory,
             "last_verification": self.last_verification,
             "last_staged": self.last_staged,
             "verification": self.verify_budget.describe(),
@@ -224,6 +227,7 @@ class VllmAdapter(EngineAdapter):
                 self.packed = {k: list(v) for k, v in doc["packed"].items()}
                 self._groups = module_groups(self.served.specs, self.packed)
             self.path_reason = doc["reason"]
+            self.freed_memory = doc.get("freed_memory")
             self.inplace = bool(doc.get("inplace"))
             self.shadow = bool(doc.get("shadow"))
             if self.inplace:

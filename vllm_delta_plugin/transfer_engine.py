@@ -59,6 +59,7 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 from delta_swap.dtypes import from_torch_dtype
 from delta_swap.errors import ChecksumMismatchError, IncompatibleSnapshotError
+from delta_swap.host_memory import freed_memory
 from delta_swap.module_groups import complete_modules, module_groups, module_of
 from delta_swap.readback import modules_sharing_parameters_with as _modules_sharing_parameters_with
 from delta_swap.readback import verify_modules
@@ -179,7 +180,16 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             inplace, reason = inplace_possible(
                 self.model, self._served, self._packed, default_weight_loader, self._load_context
             )
-            write_worker_result(output, {"layout": None, "reason": reason, "packed": self._packed, "inplace": inplace})
+            write_worker_result(
+                output,
+                {
+                    "freed_memory": freed_memory(),
+                    "layout": None,
+                    "reason": reason,
+                    "packed": self._packed,
+                    "inplace": inplace,
+                },
+            )
             return
         if swap_path is SwapPath.RELOAD:
             reason = "DELTA_SWAP_SWAP_PATH=reload"
@@ -194,7 +204,16 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             )
             if inplace:
                 reason = f"{reason}; changed elements written in place"
-                write_worker_result(output, {"layout": None, "reason": reason, "packed": self._packed, "inplace": True})
+                write_worker_result(
+                    output,
+                    {
+                        "freed_memory": freed_memory(),
+                        "layout": None,
+                        "reason": reason,
+                        "packed": self._packed,
+                        "inplace": True,
+                    },
+                )
                 return
             reason = f"{reason}; {why}"
         shadow = False
@@ -205,7 +224,14 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
                 f"{reason}; new weights built as shadow modules before the pause" if shadow else f"{reason}; {why_not}"
             )
         write_worker_result(
-            output, {"layout": layout and layout.to_json(), "reason": reason, "packed": self._packed, "shadow": shadow}
+            output,
+            {
+                "freed_memory": freed_memory(),
+                "layout": layout and layout.to_json(),
+                "reason": reason,
+                "packed": self._packed,
+                "shadow": shadow,
+            },
         )
 
     def _shadow_impossible(self) -> str | None:
