@@ -3,7 +3,8 @@ server serving the new weights, against model size and the number of cores, besi
 full-checkpoint alternative in the same server.
 
     PYTHONPATH=$(bash scripts/import_root.sh):. python -m benchmarks.scale [--sizes 0.1G 0.5G 1G 2G 3G]
-        [--cores 1 2] [--steps 2] [--level 2] [--swap-paths auto arena] [--workdir DIR]
+        [--cores 1 2] [--steps 2] [--level 2] [--swap-paths auto arena] [--keep-freed-memory off on]
+        [--workdir DIR]
 
 Models are random Llama checkpoints (hidden 2048, MLP 5632, 16 heads of which 4 for k/v, vocab
 512: ~90 MB of bf16 per layer), so 3G is a 1.5B-parameter model, the largest that fits this
@@ -30,7 +31,9 @@ docs/scale.png and a JSON of every measurement. ``tests/test_scale_smoke.py`` ru
 The server swaps on the path its CPU gives it (``auto``: the arena where vLLM keeps plain weights,
 the shadow build where it repacks them for oneDNN or AMX); ``--swap-paths`` runs each (size,
 cores) once per path asked (``Settings.swap_path``: ``arena`` makes vLLM keep plain weights on any
-CPU), and the table says which path each server took.
+CPU), and the table says which path each server took. ``--keep-freed-memory off on`` runs each
+once more with ``Settings.keep_freed_memory`` (the server keeps the memory an update frees for the
+next one: ``+keep`` in the table).
 """
 
 from __future__ import annotations
@@ -75,9 +78,9 @@ SERVER_PHASES = ("fetch", "decode", "verify", "stage", "pause", "swap", "resume"
 SERVER_GROUP = "server.pgid"
 
 
-def run_folder(work: Path, size: str, cores: int, swap_path: str) -> Path:
-    """Where one (size, cores, swap path) run keeps its store, server and results."""
-    return work / f"{size}-{cores}core-{swap_path}"
+def run_folder(work: Path, size: str, cores: int, swap_path: str, keep: bool = False) -> Path:
+    """Where one (size, cores, swap path, freed memory kept or not) run keeps its store, server and results."""
+    return work / f"{size}-{cores}core-{swap_path}{'-keep' if keep else ''}"
 
 
 def make_model(root: Path, size: str) -> Path:
@@ -103,11 +106,13 @@ def tree_peak_rss(pid: int) -> int:
     return total
 
 
-def measure_one(size: str, cores: int, work: Path, steps: int, level: int, swap_path: str = "auto") -> dict:
+def measure_one(
+    size: str, cores: int, work: Path, steps: int, level: int, swap_path: str = "auto", keep: bool = False
+) -> dict:
     """One (size, cores) run in this process (already pinned by the caller), its server asked for
-    ``swap_path``."""
+    ``swap_path`` and, with ``keep``, to keep the memory updates free (``keep_freed_memory``)."""
     model = make_model(work / "models", size)
-    run = run_folder(work, size, cores, swap_path)
+    run = run_folder(work, size, cores, swap_path, keep)
     (run / SERVER_GROUP).unlink(missing_ok=True)  # an earlier run's server is gone, and its number may be reused
     started = time.perf_counter()
     config = PublisherConfig(base_every=10_000, codec=CodecConfig(level=level))  # every allowed core
@@ -115,9 +120,10 @@ def measure_one(size: str, cores: int, work: Path, steps: int, level: int, swap_
     base_s = time.perf_counter() - started
     row: dict = {"size": size, "cores": cores, "level": level, "model_bytes": model_bytes(model), "base_s": base_s}
     row["asked_swap_path"] = swap_path
+    row["keep_freed_memory"] = keep
     row |= {"steps": [], "encode_threads": trainer.publisher.encode_threads}
     try:
-        settings = {"swap_path": swap_path}
+        settings = {"swap_path": swap_path, "keep_freed_memory": keep}
         with engine_server("vllm", model, run / "server", store=run / "store", settings=settings, wait=False) as server:
             # for the caller, should this process be killed (most likely while the server loads)
             (run / SERVER_GROUP).write_text(f"{server.proc.pid} {_started(server.proc.pid)}")
@@ -125,6 +131,7 @@ def measure_one(size: str, cores: int, work: Path, steps: int, level: int, swap_
             st = wait_ready(server.url)
             row["swap_path"] = st.get("swap_path")
             row["swap_path_reason"] = st.get("swap_path_reason")
+            row["freed_memory"] = st.get("freed_memory")
             for i in range(steps):
                 trainer.advance()
                 os.sync()  # each side starts with no dirty pages of the other's to write back
@@ -163,27 +170,29 @@ def measure_one(size: str, cores: int, work: Path, steps: int, level: int, swap_
     return row
 
 
-def run_pinned(size: str, cores: int, work: Path, steps: int, level: int, swap_path: str = "auto") -> dict:
+def run_pinned(
+    size: str, cores: int, work: Path, steps: int, level: int, swap_path: str = "auto", keep: bool = False
+) -> dict:
     """:func:`measure_one` in a child process pinned to the first ``cores`` allowed cores."""
     allowed = sorted(os.sched_getaffinity(0))[:cores]
-    out = run_folder(work, size, cores, swap_path).with_suffix(".json")
+    out = run_folder(work, size, cores, swap_path, keep).with_suffix(".json")
     cmd = [sys.executable, "-m", "benchmarks.scale", "--one", size, "--cores", str(cores)]
     cmd += ["--steps", str(steps), "--level", str(level), "--workdir", str(work), "--json", str(out)]
-    cmd += ["--swap-paths", swap_path]
+    cmd += ["--swap-paths", swap_path, "--keep-freed-memory", "on" if keep else "off"]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, allowed))}
     subprocess.run(cmd, check=True, env=env, preexec_fn=lambda: os.sched_setaffinity(0, allowed))
     return json.loads(out.read_text())
 
 
-def run_or_failure(size: str, cores: int, work: Path, steps: int, level: int, swap_path: str) -> dict:
+def run_or_failure(size: str, cores: int, work: Path, steps: int, level: int, swap_path: str, keep: bool) -> dict:
     """:func:`run_pinned`, or a row that says why it failed (a size that does not fit the host's
     memory is killed by the kernel: the table shows it instead of losing the other rows)."""
     try:
-        return run_pinned(size, cores, work, steps, level, swap_path)
+        return run_pinned(size, cores, work, steps, level, swap_path, keep)
     except subprocess.CalledProcessError as exc:
-        _stop_orphaned_server(run_folder(work, size, cores, swap_path))
+        _stop_orphaned_server(run_folder(work, size, cores, swap_path, keep))
         why = "killed (SIGKILL: out of memory?)" if exc.returncode == -signal.SIGKILL else f"exit code {exc.returncode}"
-        return {"size": size, "cores": cores, "asked_swap_path": swap_path, "failed": why}
+        return {"size": size, "cores": cores, "asked_swap_path": swap_path, "keep_freed_memory": keep, "failed": why}
 
 
 def _stop_orphaned_server(run: Path) -> None:
@@ -210,22 +219,29 @@ def _median(row: dict, get) -> float:
     return statistics.median(get(s) for s in row["steps"])
 
 
+def _path(row: dict, path: str) -> str:
+    """The path column: the swap path, ``+keep`` where the server kept the memory updates free."""
+    return f"{path}+keep" if row.get("keep_freed_memory") else path
+
+
 def summarize(rows: list[dict]) -> list[str]:
-    head = f"{'size':>5} {'MB':>6} {'cores':>5} {'path':>7} {'publish s':>9} {'MB/s':>6} {'CPU s':>6} {'sys s':>6}"
+    head = f"{'size':>5} {'MB':>6} {'cores':>5} {'path':>11} {'publish s':>9} {'MB/s':>6} {'CPU s':>6} {'sys s':>6}"
     head += "".join(f" {p + ' s':>9}" for p in SERVER_PHASES)
     head += f" {'->serving s':>11} {'write s':>8} {'reload s':>8} {'full s':>7} {'ratio':>6}"
     head += f" {'trainer GB':>10} {'server GB':>9}"
     lines = [head]
     for r in rows:
         if "failed" in r:
-            lines.append(f"{r['size']:>5} {'-':>6} {r['cores']:>5} {r['asked_swap_path']:>7} failed: {r['failed']}")
+            lines.append(
+                f"{r['size']:>5} {'-':>6} {r['cores']:>5} {_path(r, r['asked_swap_path']):>11} failed: {r['failed']}"
+            )
             continue
         mb = r["model_bytes"] / 1e6
         publish = _median(r, lambda s: s["publish_s"])
         serving = _median(r, lambda s: s["serving_s"])
         full = _median(r, lambda s: s["write_s"] + s["reload_s"])
-        path = r.get("swap_path") or "-"
-        line = f"{r['size']:>5} {mb:>6.0f} {r['cores']:>5} {path:>7} {publish:>9.2f} {mb / publish:>6.0f}"
+        path = _path(r, r.get("swap_path") or "-")
+        line = f"{r['size']:>5} {mb:>6.0f} {r['cores']:>5} {path:>11} {publish:>9.2f} {mb / publish:>6.0f}"
         line += f" {_median(r, lambda s: s.get('publish_cpu_s', math.nan)):>6.2f}"
         line += f" {_median(r, lambda s: s.get('publish_sys_s', math.nan)):>6.2f}"
         line += "".join(f" {_median(r, lambda s, p=p: s['server'].get(p, 0.0)):>9.2f}" for p in SERVER_PHASES)
@@ -248,14 +264,14 @@ def plot(rows: list[dict], path: Path) -> None:
     colors = iter(("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"))
     rows = [r for r in rows if "failed" not in r]
 
-    def line_of(r: dict) -> tuple:  # one line per core count and path asked and taken
-        return r["cores"], r.get("asked_swap_path", "auto"), r.get("swap_path") or "-"
+    def line_of(r: dict) -> tuple:  # one line per core count, path asked and taken, and freed memory kept or not
+        return r["cores"], r.get("asked_swap_path", "auto"), _path(r, r.get("swap_path") or "-")
 
     for key in sorted({line_of(r) for r in rows}):
         mine = sorted((r for r in rows if line_of(r) == key), key=lambda r: r["model_bytes"])
         cores, asked, taken = key
         color = next(colors, "tab:gray")
-        which = f"{cores} core(s), {taken} path" + (f" ({asked})" if asked not in ("auto", taken) else "")
+        which = f"{cores} core(s), {taken} path" + (f" ({asked})" if asked not in ("auto", taken.split("+")[0]) else "")
         x = [r["model_bytes"] / 1e9 for r in mine]
         ax.plot(
             x,
@@ -290,6 +306,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="timed delta steps per run")
     parser.add_argument("--level", type=int, default=2, help="codec level (CodecConfig.level)")
     add_swap_paths_option(parser, "the table shows the path each server took")
+    parser.add_argument(
+        "--keep-freed-memory",
+        nargs="+",
+        choices=["off", "on"],
+        default=["off"],
+        help="servers with Settings.keep_freed_memory off, on, or each in turn (off on)",
+    )
     parser.add_argument("--workdir", help="models are cached here between runs")
     parser.add_argument("--json", default=str(DOCS / "scale.json"))
     parser.add_argument("--plot", default=str(DOCS / "scale.png"))
@@ -299,7 +322,8 @@ def main() -> None:
         signal.signal(sig, exit_on_signal)  # servers stop on the way out
     work = Path(args.workdir or tempfile.mkdtemp(prefix="delta-swap-scale-"))
     if args.one:
-        row = measure_one(args.one, args.cores[0], work, args.steps, args.level, args.swap_paths[0])
+        keep = args.keep_freed_memory[0] == "on"
+        row = measure_one(args.one, args.cores[0], work, args.steps, args.level, args.swap_paths[0], keep)
         Path(args.json).write_text(json.dumps(row))
         return
     cpu = cpu_flags()
@@ -308,8 +332,9 @@ def main() -> None:
     for size in args.sizes:
         for cores in args.cores:
             for swap_path in args.swap_paths:
-                rows.append(run_or_failure(size, cores, work, args.steps, args.level, swap_path))
-                print(summarize(rows)[-1] if len(rows) > 1 else "\n".join(summarize(rows)), flush=True)
+                for keep in args.keep_freed_memory:
+                    rows.append(run_or_failure(size, cores, work, args.steps, args.level, swap_path, keep == "on"))
+                    print(summarize(rows)[-1] if len(rows) > 1 else "\n".join(summarize(rows)), flush=True)
     print("\n".join(summarize(rows)))
     Path(args.json).write_text(json.dumps({"cpu": cpu, "rows": rows}, indent=1))
     plot(rows, Path(args.plot))

@@ -1,6 +1,7 @@
 """A CI-sized run of the scale benchmark (benchmarks/scale.py): a tiny Llama on vLLM, pinned to one
 core in a process of its own as ``python -m benchmarks.scale`` runs each size, two RL-sized
 updates each timed phase by phase beside the full-checkpoint path, then the table and the plot.
+Its server keeps the memory updates free (``--keep-freed-memory on``), as the status confirms.
 
 It checks that every phase was measured and accounted for, not this machine's speed.
 """
@@ -16,13 +17,14 @@ pytestmark = pytest.mark.engine
 
 @pytest.fixture(scope="module")
 def row(tmp_path_factory) -> dict:
-    return scale.run_pinned("tiny", 1, tmp_path_factory.mktemp("scale"), steps=2, level=1)
+    return scale.run_pinned("tiny", 1, tmp_path_factory.mktemp("scale"), steps=2, level=1, keep=True)
 
 
 def test_every_step_is_timed_phase_by_phase_on_one_core(row) -> None:
     assert row["size"] == "tiny" and row["cores"] == 1 and row["level"] == 1
     assert row["encode_threads"] == 1  # the publisher encodes on the cores it may use: one
     assert row["asked_swap_path"] == "auto" and row["swap_path"] in {"arena", "inplace", "shadow", "reload"}
+    assert row["keep_freed_memory"] and row["freed_memory"] == "kept for the next update", row
     assert len(row["steps"]) == 2
     for step in row["steps"]:
         assert step["payload_bytes"] and step["payload_bytes"] < row["model_bytes"] / 5  # a delta, not a base
@@ -39,7 +41,7 @@ def test_the_table_and_the_plot(row, tmp_path) -> None:
         "publish s" in header
         and "CPU s" in header
         and "reload s" in header
-        and line.split()[:4] == ["tiny", f"{row['model_bytes'] / 1e6:.0f}", "1", row["swap_path"]]
+        and line.split()[:4] == ["tiny", f"{row['model_bytes'] / 1e6:.0f}", "1", row["swap_path"] + "+keep"]
     )
     failed = {"size": "3G", "cores": 2, "asked_swap_path": "auto", "failed": "killed (SIGKILL: out of memory?)"}
     assert scale.summarize([row, failed])[-1].split()[:5] == ["3G", "-", "2", "auto", "failed:"]
