@@ -157,8 +157,8 @@ class Settings:
     """The engine's processes keep the memory an update frees for the next update instead of giving
     it back to the system (glibc's malloc: no mapping per large block, no trimming; as the tcmalloc
     that vLLM's CPU wheels preload does on its own). Each update's new weights then land on pages
-    already mapped: the shadow build (vLLM's repacked CPU weights) ~30% faster at 1 GB, and the
-    server holds its peak (the weights plus one update's new copy) between updates
+    already mapped: the shadow build (vLLM's repacked CPU weights) 11-47% faster at 1-2 GB, vLLM's
+    own reload 34-54%, and the server's peak about one model higher, held between updates
     (benchmarks/README.md, "Keeping freed memory"). vLLM only; the status says whether it took."""
 
     #: Extra flag spellings accepted for a field (kept for command lines written before the rename).
