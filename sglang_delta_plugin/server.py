@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -14,6 +15,8 @@ from delta_swap import service
 from delta_swap.engine_adapter import refuse_unverified_weights
 from delta_swap.errors import ConfigError
 from delta_swap.settings import Settings
+
+log = logging.getLogger("sglang_delta_plugin")
 
 #: Settings from the parsed command line (None until SGLang parses one: then the environment).
 _settings: Settings | None = None
@@ -45,6 +48,11 @@ def install(app: Any, server_args: Any) -> None:
     app runs."""
     settings = _settings or Settings.load()
     service.mount(app, f"pass {Settings.flag_name('store')} URL")
+    if settings.keep_freed_memory:
+        log.warning(
+            "delta_swap: %s applies to vLLM only: SGLang's processes give freed memory back",
+            Settings.flag_name("keep_freed_memory"),
+        )
     if not settings.store:
         service.start(app.state, settings, None)
         return

@@ -110,6 +110,10 @@ def test_every_worker_answers_and_the_deployment_takes_the_arena_path_only_if_al
     plain, packed = {"layout": None, "reason": "plain", "inplace": True}, {"layout": None, "reason": "packed"}
     assert merge_layouts([plain, plain])["inplace"] is True
     assert merge_layouts([plain, packed])["inplace"] is False
+    # what each worker does with freed memory: one answer where all agree, each one where they differ
+    kept, given = {**plain, "freed_memory": "kept for the next update"}, {**plain, "freed_memory": "given back"}
+    assert merge_layouts([kept, kept])["freed_memory"] == "kept for the next update"
+    assert merge_layouts([kept, given])["freed_memory"] == "given back; kept for the next update"
     verified = merge_verifications([{"checks": 3, "seconds": 0.1}, {"checks": 4, "seconds": 0.2}])
     assert verified == {"checks": 7, "seconds": 0.2, "workers": 2}
     assert "shards" in merge_verifications([{"checks": 0, "seconds": 0.0, "skipped": "ranks hold shards"}])["skipped"]

@@ -114,6 +114,9 @@ def merge_layouts(answers: list[dict[str, Any]]) -> dict[str, Any]:
     first = answers[0]
     # each rank decides for itself; the deployment takes a path only where every rank can
     first = {**first, **{k: all(a.get(k) for a in answers) for k in ("inplace", "shadow") if k in first}}
+    freed = sorted({str(a["freed_memory"]) for a in answers if a.get("freed_memory")})
+    if len(freed) > 1:  # a worker that could not keep it says why, beside the others
+        first["freed_memory"] = "; ".join(freed)
     for other in answers[1:]:
         if other["layout"] is None:
             return {**first, "layout": None, "reason": other["reason"]}
