@@ -171,8 +171,14 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         """Write how this worker swaps, with the reason: its arena layout (``auto``: one rank of
         plain host tensors), else whether it writes changed elements in place (``auto``: plain
         tensors holding the checkpoint's elements, as at tensor parallel > 1 or on a GPU), else
-        whether it builds shadow modules (``auto``: weights repacked on the CPU); and the
-        fused-module mapping that updates on the reload path are completed with."""
+        whether it builds shadow modules (``auto``: weights repacked on the CPU); the fused-module
+        mapping that updates on the reload path are completed with; and what this process does with
+        the memory an update frees."""
+
+        def answer(reason: str, layout: Any = None, **path: bool) -> None:
+            doc = {"layout": layout, "reason": reason, "packed": self._packed, "freed_memory": freed_memory()}
+            write_worker_result(output, doc | path)
+
         params = dict(self.model.named_parameters())
         layout = None
         swap_path = Settings.load().swap_path
@@ -180,16 +186,7 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             inplace, reason = inplace_possible(
                 self.model, self._served, self._packed, default_weight_loader, self._load_context
             )
-            write_worker_result(
-                output,
-                {
-                    "freed_memory": freed_memory(),
-                    "layout": None,
-                    "reason": reason,
-                    "packed": self._packed,
-                    "inplace": inplace,
-                },
-            )
+            answer(reason, inplace=inplace)
             return
         if swap_path is SwapPath.RELOAD:
             reason = "DELTA_SWAP_SWAP_PATH=reload"
@@ -203,17 +200,7 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
                 self.model, self._served, self._packed, default_weight_loader, self._load_context
             )
             if inplace:
-                reason = f"{reason}; changed elements written in place"
-                write_worker_result(
-                    output,
-                    {
-                        "freed_memory": freed_memory(),
-                        "layout": None,
-                        "reason": reason,
-                        "packed": self._packed,
-                        "inplace": True,
-                    },
-                )
+                answer(f"{reason}; changed elements written in place", inplace=True)
                 return
             reason = f"{reason}; {why}"
         shadow = False
@@ -223,16 +210,7 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
             reason = (
                 f"{reason}; new weights built as shadow modules before the pause" if shadow else f"{reason}; {why_not}"
             )
-        write_worker_result(
-            output,
-            {
-                "freed_memory": freed_memory(),
-                "layout": layout and layout.to_json(),
-                "reason": reason,
-                "packed": self._packed,
-                "shadow": shadow,
-            },
-        )
+        answer(reason, layout and layout.to_json(), shadow=shadow)
 
     def _shadow_impossible(self) -> str | None:
         """Why this worker cannot build shadow modules (None: it can)."""
