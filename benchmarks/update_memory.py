@@ -1,6 +1,7 @@
 """Figure 4: host memory delta-swap adds during an update, over the model's bytes, on vLLM and SGLang.
 
     python -m benchmarks.update_memory [--engines vllm sglang] [--sizes 160M 350M] [--updates 5]
+        [--keep-freed-memory off on]
 
 Memory is that of the whole server process tree (``harness.tree_memory``): the proportional set
 size of its processes, so pages shared between them count once, with the weight arenas counted as
@@ -12,7 +13,9 @@ sync (the base, while the engine still holds the weights it loaded), then while 
 of the first sync (over the plain server's own start-up peak), between updates, and at the peak
 during updates (both over the plain server in steady state), and the swap path the server took
 (``auto`` takes ``shadow`` where vLLM repacked its weights: one spare copy of the changed modules
-until each swap is final); writes docs/update_memory.png.
+until each swap is final); writes docs/update_memory.png. ``--keep-freed-memory off on`` measures
+each (engine, size) once more with ``Settings.keep_freed_memory`` (vLLM: the server keeps the
+memory an update frees for the next one; ``+keep`` in the table).
 """
 
 from __future__ import annotations
@@ -76,9 +79,9 @@ def _warm(url: str) -> None:
     httpx.post(f"{url}/v1/completions", json=body, timeout=600).raise_for_status()
 
 
-def measure(engine: str, size: str, work: Path, updates: int) -> dict:
+def measure(engine: str, size: str, work: Path, updates: int, keep: bool = False) -> dict:
     model = make_model(work / "models", size)
-    run = work / f"{engine}-{size}"
+    run = work / f"{engine}-{size}{'-keep' if keep else ''}"
     for folder in ("plain", "plugin"):  # fresh servers: a reused folder's freshness record would refuse the new base
         shutil.rmtree(run / folder, ignore_errors=True)
     with engine_server(engine, model, run / "plain", store=None, wait=False) as server:
@@ -89,7 +92,8 @@ def measure(engine: str, size: str, work: Path, updates: int) -> dict:
         plain = tree_memory(server.proc.pid)
     trainer = Trainer(model, run / "store")
     try:
-        with engine_server(engine, model, run / "plugin", store=run / "store", wait=False) as server:
+        settings = {"keep_freed_memory": keep}
+        with engine_server(engine, model, run / "plugin", store=run / "store", settings=settings, wait=False) as server:
             with Sampler(server.proc.pid) as first_sync:
                 server.wait_healthy(900)
                 wait_ready(server.url)
@@ -101,14 +105,16 @@ def measure(engine: str, size: str, work: Path, updates: int) -> dict:
                     wait_step(server.url, trainer.step)
             time.sleep(2)
             steady = tree_memory(server.proc.pid)
-            swap_path = status(server.url).get("swap_path")
+            st = status(server.url)
     finally:
         trainer.close()
     size_b = model_bytes(model)
     return {
         "engine": engine,
         "size": size,
-        "swap_path": swap_path,
+        "swap_path": st.get("swap_path"),
+        "keep_freed_memory": keep,
+        "freed_memory": st.get("freed_memory"),
         "model_bytes": size_b,
         "plain": plain,
         "plain_start_peak": plain_start.peak,
@@ -121,14 +127,19 @@ def measure(engine: str, size: str, work: Path, updates: int) -> dict:
     }
 
 
+def _path(row: dict) -> str:
+    """The swap path the server took, ``+keep`` where it kept the memory updates free."""
+    return f"{row.get('swap_path') or '-'}{'+keep' if row.get('keep_freed_memory') else ''}"
+
+
 def summarize(rows: list[dict]) -> list[str]:
     lines = [
-        f"{'engine':<7} {'size':>8} {'path':>7} {'model MB':>9} {'plain MB':>9} {'steady MB':>10} {'update peak MB':>15} "
+        f"{'engine':<7} {'size':>8} {'path':>11} {'model MB':>9} {'plain MB':>9} {'steady MB':>10} {'update peak MB':>15} "
         f"{'added/model: first sync':>24} {'between updates':>16} {'update peak':>12}"
     ]
     for r in rows:
         lines.append(
-            f"{r['engine']:<7} {r['size']:>8} {r.get('swap_path') or '-':>7} {r['model_bytes'] / 1e6:>9.0f} {r['plain'] / 1e6:>9.0f} "
+            f"{r['engine']:<7} {r['size']:>8} {_path(r):>11} {r['model_bytes'] / 1e6:>9.0f} {r['plain'] / 1e6:>9.0f} "
             f"{r['steady'] / 1e6:>10.0f} {r['update_peak'] / 1e6:>15.0f} {r['first_sync_over_model']:>24.2f} "
             f"{r['steady_over_model']:>16.2f} {r['update_peak_over_model']:>12.2f}"
         )
@@ -142,7 +153,7 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    labels = [f"{r['engine']} {r.get('swap_path') or ''}\n{r['size']} ({r['model_bytes'] / 1e6:.0f} MB)" for r in rows]
+    labels = [f"{r['engine']} {_path(r)}\n{r['size']} ({r['model_bytes'] / 1e6:.0f} MB)" for r in rows]
     x = range(len(rows))
     series = [
         ("first sync (peak)", "first_sync_over_model"),
@@ -166,6 +177,13 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", default=["vllm", "sglang"], choices=["vllm", "sglang"])
     parser.add_argument("--sizes", nargs="+", default=["160M", "350M"], choices=[*SIZES, *MOE_SIZES])
     parser.add_argument("--updates", type=int, default=5)
+    parser.add_argument(
+        "--keep-freed-memory",
+        nargs="+",
+        choices=["off", "on"],
+        default=["off"],
+        help="servers with Settings.keep_freed_memory off, on, or each in turn (off on)",
+    )
     parser.add_argument("--workdir")
     parser.add_argument("--json", default=str(DOCS / "update_memory.json"))
     parser.add_argument("--plot", default=str(DOCS / "update_memory.png"))
@@ -174,8 +192,9 @@ def main() -> None:
     rows = []
     for engine in args.engines:
         for size in args.sizes:
-            rows.append(measure(engine, size, work, args.updates))
-            print(summarize(rows)[-1], flush=True)
+            for keep in args.keep_freed_memory:
+                rows.append(measure(engine, size, work, args.updates, keep == "on"))
+                print(summarize(rows)[-1], flush=True)
     print("\n".join(summarize(rows)))
     Path(args.json).write_text(json.dumps(rows, indent=1))
     plot(rows, Path(args.plot))

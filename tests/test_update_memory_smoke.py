@@ -23,6 +23,7 @@ def row(tmp_path_factory) -> dict:
 def test_every_phase_was_sampled(row) -> None:
     assert row["engine"] == "vllm" and row["model_bytes"] > 1_000_000
     assert row["swap_path"] in {"arena", "inplace", "shadow", "reload"}, row  # the path auto took, from the status
+    assert not row["keep_freed_memory"] and row["freed_memory"] == "given back to the system", row  # the default
     for key in ("plain", "plain_start_peak", "first_sync_peak", "steady", "update_peak"):
         assert row[key] > 100_000_000, (key, row)  # a whole vLLM server tree: hundreds of MB
     assert row["steady_over_model"] == pytest.approx((row["steady"] - row["plain"]) / row["model_bytes"])
