@@ -18,7 +18,6 @@ def register() -> None:
     import torch
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-    from delta_swap.host_memory import keep_freed_memory
     from delta_swap.settings import Settings, SwapPath
 
     # On CPUs with AMX, vLLM's CPU attention can pick AMX kernels before the process has asked the
@@ -34,15 +33,8 @@ def register() -> None:
         WeightTransferTrainerFactory.register_engine(
             BACKEND_NAME, "vllm_delta_plugin.trainer_engine", "DeltaSwapTrainerEngine"
         )
-    settings = Settings.load()
-    if settings.swap_path in (SwapPath.ARENA, SwapPath.INPLACE):
+    if Settings.load().swap_path in (SwapPath.ARENA, SwapPath.INPLACE):
         keep_plain_cpu_weights()
-    if settings.keep_freed_memory:
-        why = keep_freed_memory()
-        if why is None:
-            log.info("delta_swap: DELTA_SWAP_KEEP_FREED_MEMORY=1: this process keeps freed memory for the next update")
-        else:
-            log.warning("delta_swap: DELTA_SWAP_KEEP_FREED_MEMORY=1 not applied: %s", why)
 
 
 def keep_plain_cpu_weights() -> None:

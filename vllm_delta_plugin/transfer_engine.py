@@ -59,7 +59,7 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
 from delta_swap.dtypes import from_torch_dtype
 from delta_swap.errors import ChecksumMismatchError, IncompatibleSnapshotError
-from delta_swap.host_memory import freed_memory
+from delta_swap.host_memory import freed_memory, keep_freed_memory
 from delta_swap.module_groups import complete_modules, module_groups, module_of
 from delta_swap.readback import modules_sharing_parameters_with as _modules_sharing_parameters_with
 from delta_swap.readback import verify_modules
@@ -128,6 +128,10 @@ class DeltaSwapTransferEngine(WeightTransferEngine[DeltaSwapInitInfo, DeltaSwapU
         self._staged = StagedSwap()
         #: The undo of this worker's last scatter or switch, until the swap is final.
         self._undo: Any = None
+        if Settings.load().keep_freed_memory:  # here, where updates are built: not the API server's
+            why = keep_freed_memory()
+            if why is not None:
+                log.warning("delta_swap: DELTA_SWAP_KEEP_FREED_MEMORY=1 not applied: %s", why)
 
     def init_transfer_engine(self, init_info: DeltaSwapInitInfo) -> None:
         pass
