@@ -154,12 +154,12 @@ class Settings:
     swap took and why."""
 
     keep_freed_memory: bool = False
-    """The engine's processes keep the memory an update frees for the next update instead of giving
-    it back to the system (glibc's malloc: no mapping per large block, no trimming; as the tcmalloc
-    that vLLM's CPU wheels preload does on its own). Each update's new weights then land on pages
-    already mapped: the shadow build (vLLM's repacked CPU weights) 11-47% faster at 1-2 GB, vLLM's
-    own reload 34-54%, and the server's peak about one model higher, held between updates
-    (benchmarks/README.md, "Keeping freed memory"). vLLM only; the status says whether it took."""
+    """The engine's worker keeps the memory an update frees for the next update instead of giving it
+    back to the system (glibc's malloc: no mapping per large block, no trimming; as the tcmalloc that
+    vLLM's CPU wheels preload does on its own). Each update's new weights then land on pages already
+    mapped: at 1 GB the shadow build (vLLM's repacked CPU weights) 8% faster on two cores and 55% on
+    one, vLLM's own reload ~47%, for ~2x the model more memory between updates and ~1.1x more at the
+    peak (benchmarks/README.md, "Keeping freed memory"). vLLM only; the status says whether it took."""
 
     #: Extra flag spellings accepted for a field (kept for command lines written before the rename).
     FLAG_ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {"store": ("--delta-swap-source",)}
