@@ -189,6 +189,17 @@ def add_swap_paths_option(parser: argparse.ArgumentParser, help: str) -> None:
     parser.add_argument("--swap-paths", nargs="+", default=["auto"], choices=[p.value for p in SwapPath], help=help)
 
 
+def add_keep_freed_memory_option(parser: argparse.ArgumentParser) -> None:
+    """``--keep-freed-memory``: servers with ``Settings.keep_freed_memory`` off, on, or each in turn."""
+    parser.add_argument(
+        "--keep-freed-memory",
+        nargs="+",
+        choices=["off", "on"],
+        default=["off"],
+        help="servers with Settings.keep_freed_memory off, on, or each in turn (off on)",
+    )
+
+
 @contextlib.contextmanager
 def engine_server(
     engine: str,

@@ -53,6 +53,7 @@ from pathlib import Path
 
 from benchmarks.harness import (
     Trainer,
+    add_keep_freed_memory_option,
     add_swap_paths_option,
     engine_reload,
     engine_server,
@@ -306,13 +307,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="timed delta steps per run")
     parser.add_argument("--level", type=int, default=2, help="codec level (CodecConfig.level)")
     add_swap_paths_option(parser, "the table shows the path each server took")
-    parser.add_argument(
-        "--keep-freed-memory",
-        nargs="+",
-        choices=["off", "on"],
-        default=["off"],
-        help="servers with Settings.keep_freed_memory off, on, or each in turn (off on)",
-    )
+    add_keep_freed_memory_option(parser)
     parser.add_argument("--workdir", help="models are cached here between runs")
     parser.add_argument("--json", default=str(DOCS / "scale.json"))
     parser.add_argument("--plot", default=str(DOCS / "scale.png"))

@@ -35,6 +35,7 @@ from benchmarks.harness import (
     MOE_SIZES,
     SIZES,
     Trainer,
+    add_keep_freed_memory_option,
     engine_server,
     make_model,
     model_bytes,
@@ -177,13 +178,7 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", default=["vllm", "sglang"], choices=["vllm", "sglang"])
     parser.add_argument("--sizes", nargs="+", default=["160M", "350M"], choices=[*SIZES, *MOE_SIZES])
     parser.add_argument("--updates", type=int, default=5)
-    parser.add_argument(
-        "--keep-freed-memory",
-        nargs="+",
-        choices=["off", "on"],
-        default=["off"],
-        help="servers with Settings.keep_freed_memory off, on, or each in turn (off on)",
-    )
+    add_keep_freed_memory_option(parser)
     parser.add_argument("--workdir")
     parser.add_argument("--json", default=str(DOCS / "update_memory.json"))
     parser.add_argument("--plot", default=str(DOCS / "update_memory.png"))
