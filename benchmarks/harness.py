@@ -189,6 +189,11 @@ def add_swap_paths_option(parser: argparse.ArgumentParser, help: str) -> None:
     parser.add_argument("--swap-paths", nargs="+", default=["auto"], choices=[p.value for p in SwapPath], help=help)
 
 
+def path_label(swap_path: str, keep: bool) -> str:
+    """A table's path column: the swap path, ``+keep`` where the server kept the memory updates free."""
+    return f"{swap_path}+keep" if keep else swap_path
+
+
 def add_keep_freed_memory_option(parser: argparse.ArgumentParser) -> None:
     """``--keep-freed-memory``: servers with ``Settings.keep_freed_memory`` off, on, or each in turn."""
     parser.add_argument(

@@ -58,6 +58,7 @@ from benchmarks.harness import (
     engine_reload,
     engine_server,
     model_bytes,
+    path_label,
     process_tree,
     served_after,
     wait_ready,
@@ -221,8 +222,7 @@ def _median(row: dict, get) -> float:
 
 
 def _path(row: dict, path: str) -> str:
-    """The path column: the swap path, ``+keep`` where the server kept the memory updates free."""
-    return f"{path}+keep" if row.get("keep_freed_memory") else path
+    return path_label(path, bool(row.get("keep_freed_memory")))
 
 
 def summarize(rows: list[dict]) -> list[str]:
@@ -266,13 +266,15 @@ def plot(rows: list[dict], path: Path) -> None:
     rows = [r for r in rows if "failed" not in r]
 
     def line_of(r: dict) -> tuple:  # one line per core count, path asked and taken, and freed memory kept or not
-        return r["cores"], r.get("asked_swap_path", "auto"), _path(r, r.get("swap_path") or "-")
+        return r["cores"], r.get("asked_swap_path", "auto"), r.get("swap_path") or "-", bool(r.get("keep_freed_memory"))
 
     for key in sorted({line_of(r) for r in rows}):
         mine = sorted((r for r in rows if line_of(r) == key), key=lambda r: r["model_bytes"])
-        cores, asked, taken = key
+        cores, asked, taken, keep = key
         color = next(colors, "tab:gray")
-        which = f"{cores} core(s), {taken} path" + (f" ({asked})" if asked not in ("auto", taken.split("+")[0]) else "")
+        which = f"{cores} core(s), {path_label(taken, keep)} path" + (
+            f" ({asked})" if asked not in ("auto", taken) else ""
+        )
         x = [r["model_bytes"] / 1e9 for r in mine]
         ax.plot(
             x,

@@ -39,6 +39,7 @@ from benchmarks.harness import (
     engine_server,
     make_model,
     model_bytes,
+    path_label,
     status,
     tree_memory,
     wait_ready,
@@ -129,8 +130,7 @@ def measure(engine: str, size: str, work: Path, updates: int, keep: bool = False
 
 
 def _path(row: dict) -> str:
-    """The swap path the server took, ``+keep`` where it kept the memory updates free."""
-    return f"{row.get('swap_path') or '-'}{'+keep' if row.get('keep_freed_memory') else ''}"
+    return path_label(row.get("swap_path") or "-", bool(row.get("keep_freed_memory")))
 
 
 def summarize(rows: list[dict]) -> list[str]:

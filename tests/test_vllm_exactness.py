@@ -204,7 +204,7 @@ class TestQwen2Shadow(InjectedFailures):
 
 class TestQwen3TiedShadow(VllmExactness):
     """The embedding alone of a tied model: the tied head is rebuilt on the new embedding; its
-    processes keep the memory each update frees (``keep_freed_memory``: glibc's heap, not trimmed)."""
+    worker keeps the memory each update frees (``keep_freed_memory``: glibc's heap, not trimmed)."""
 
     family, swap_path = "qwen3", "shadow"
     settings = {"keep_freed_memory": True}
