@@ -121,11 +121,15 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3
 
 
-#: Runs ``delta_swap.cli`` with the given arguments and prints its peak RSS on stderr at exit.
+#: Runs ``delta_swap.cli`` with the given arguments and prints its peak RSS (``VmHWM``) on stderr at
+#: exit. It imports nothing the CLI does not: importing this module (torch) would add ~1 s and
+#: ~300 MB to every CLI row, which earlier tables here did.
 _CLI_WRAPPER = (
     "import atexit, runpy, sys\n"
-    "from benchmarks.publish_parallel import _peak_rss_mb\n"
-    "atexit.register(lambda: print(f'PEAK_RSS_MB={_peak_rss_mb()}', file=sys.stderr))\n"
+    "def _peak():\n"
+    "    with open('/proc/self/status') as fh:\n"
+    "        return next(int(line.split()[1]) / 1e3 for line in fh if line.startswith('VmHWM:'))\n"
+    "atexit.register(lambda: print(f'PEAK_RSS_MB={_peak()}', file=sys.stderr))\n"
     "sys.argv = ['delta-swap', *sys.argv[1:]]\n"
     "runpy.run_module('delta_swap.cli', run_name='__main__')\n"
 )
