@@ -342,6 +342,9 @@ class Publisher:
                     self._queue.task_done()
                     continue
                 in_flight = prepared, loop.create_task(self._finish(store, prepared))
+                # Only the step in flight may hold the chain as it was before it (for its undo):
+                # these names would keep the head before that alive until the next step arrives.
+                job = prepared = saved = None  # type: ignore[assignment]
         finally:
             if in_flight:
                 self._settle(loop, in_flight)
