@@ -338,12 +338,13 @@ class Publisher:
                     in_flight = None
                     if not ok:
                         prepared = None  # encoded against a step that was not published
-                if prepared is None:
+                if prepared is not None:
+                    in_flight = prepared, loop.create_task(self._finish(store, prepared))
+                else:
                     self._queue.task_done()
-                    continue
-                in_flight = prepared, loop.create_task(self._finish(store, prepared))
                 # Only the step in flight may hold the chain as it was before it (for its undo):
-                # these names would keep the head before that alive until the next step arrives.
+                # these names would keep the head before that (or a failed step) alive until the
+                # next step arrives.
                 job = prepared = saved = None  # type: ignore[assignment]
         finally:
             if in_flight:
