@@ -342,7 +342,8 @@ class Subscriber:
             raise
         self._state_in_copy = copy is not None
         self._state, self._held, self._current = state, target, target
-        self._current_since = time.time()
+        # served since the engine resumed: the drop of what was staged (vLLM: an RPC) came after
+        self._current_since = time.time() - timings.get("unstage", 0.0)
         self._remember(target)
         self._last_timings = timings
         self._last_path = [m.snapshot_id for m in path]

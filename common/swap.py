@@ -3,8 +3,9 @@
 :func:`apply_update` checks the update against the served model, stages it while the engine
 generates, pauses, swaps, rolls back to the previous tensors if the swap fails (unless the adapter
 raised :class:`~delta_swap.errors.SwapUndoneError`: it put them back itself, on every rank), and
-always resumes. It times each phase (``stage``, ``pause``, ``swap``, ``rollback``, ``resume``) and
-translates engine failures into :class:`~delta_swap.errors.EngineError`.
+always resumes, then lets the adapter drop what it staged while the engine generates on the new
+weights. It times each phase (``stage``, ``pause``, ``swap``, ``rollback``, ``resume``,
+``unstage``) and translates engine failures into :class:`~delta_swap.errors.EngineError`.
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ async def apply_update(
             with timed(timings, "resume", on_phase):
                 await _quietly(adapter.resume(), "resume")
     finally:
-        await _quietly(adapter.unstage(staged), "unstage")
+        with timed(timings, "unstage", on_phase):  # the engine serves the new weights meanwhile
+            await _quietly(adapter.unstage(staged), "unstage")
     return timings
 
 

@@ -57,6 +57,32 @@ async def test_follows_deltas_and_hands_over_only_changed_tensors(tmp_path) -> N
     assert_state_equal(engine.weights, steps[3])
 
 
+async def test_served_since_the_resume_not_after_the_staged_update_is_dropped(tmp_path) -> None:
+    """The engine serves the new weights once it resumes; dropping what was staged (vLLM's shadow
+    path: an RPC whose workers free the old modules) comes after, while it generates. So
+    ``current_since`` is the resume, and the drop shows as its own phase, ``unstage``."""
+
+    class SlowToUnstage(RecordingAdapter):
+        resumed_at: float | None = None
+
+        async def resume(self) -> None:
+            await super().resume()
+            self.resumed_at = time.time()
+
+        async def unstage(self, staged: object) -> None:
+            await asyncio.sleep(0.5)
+
+    _publish(tmp_path, rl_steps(1))
+    engine = SlowToUnstage()
+    sub = Subscriber(Settings(store=str(tmp_path)), engine)
+    assert await sub.sync()
+    status = sub.status()
+    assert engine.resumed_at is not None
+    assert engine.resumed_at - 0.05 <= status["current_since"] <= engine.resumed_at + 0.2, (status, engine.resumed_at)
+    assert status["last_update_timings_s"]["unstage"] >= 0.5
+    await sub.stop()
+
+
 async def test_status_shows_the_phase_of_an_update_under_way_and_for_how_long(tmp_path) -> None:
     """An operator watching a slow update sees which phase it is in and since when."""
     _publish(tmp_path, rl_steps(1), base_every=100)
