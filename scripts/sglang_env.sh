@@ -20,13 +20,7 @@ shim="$root/tests/sglang_cpu_shim"
 key=$(cat "$root/requirements/sglang-cpu.txt" "$root/requirements/core.txt" "$root/scripts/sglang_env.sh" \
   "$shim/pyproject.toml" "$shim"/sgl_kernel/*.py <("$py" -V) | sha256sum | cut -c1-16)
 venv="$cache/sglang-venv-$key"
-# One build at a time per environment: a second run (the demo and the tests at once) waits here
-# instead of removing the first one's half-built folder. The lock goes with this process.
-mkdir -p "$cache"
-if command -v flock >/dev/null; then
-  exec 9>"$venv.lock"
-  flock 9
-fi
+. "$root/scripts/env_lock.sh" "$venv"
 if [ ! -f "$venv/.complete" ]; then
   echo "delta-swap: building the SGLang CPU environment in $venv (a few minutes, once)" >&2
   rm -rf "$venv"

@@ -14,13 +14,7 @@ base=$(bash "$root/scripts/env.sh")
 py="$base/bin/python"
 key=$(cat "$root/requirements/verl.txt" "$root/scripts/verl_env.sh" <(echo "$base") <("$py" -V) | sha256sum | cut -c1-16)
 venv="$cache/verl-venv-$key"
-# One build at a time per environment: a second run (the demo and the tests at once) waits here
-# instead of removing the first one's half-built folder. The lock goes with this process.
-mkdir -p "$cache"
-if command -v flock >/dev/null; then
-  exec 9>"$venv.lock"
-  flock 9
-fi
+. "$root/scripts/env_lock.sh" "$venv"
 if [ ! -f "$venv/.complete" ]; then
   echo "delta-swap: building the verl environment in $venv (a minute or two, once)" >&2
   rm -rf "$venv"
