@@ -123,7 +123,7 @@ def _peak_rss_mb() -> float:
 
 #: Runs ``delta_swap.cli`` with the given arguments and prints its peak RSS (``VmHWM``) on stderr at
 #: exit. It imports nothing the CLI does not: importing this module (torch) would add ~1 s and
-#: ~300 MB to every CLI row, which earlier tables here did.
+#: ~150 MB to every CLI row, which earlier tables here did.
 _CLI_WRAPPER = (
     "import atexit, runpy, sys\n"
     "def _peak():\n"
