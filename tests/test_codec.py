@@ -365,6 +365,36 @@ def test_encoder_memory_starts_each_fit_from_the_last_steps_model(rng, monkeypat
     assert np.array_equal(codec.decode(old, payload, "BF16", old.size), new)
 
 
+def test_encoder_memory_skips_the_fits_after_one_that_found_no_pattern(rng, monkeypatch, tmp_path) -> None:
+    """After a new fit finds no sign pattern, the next IDLE_FITS steps of that matrix keep raw sign
+    bits without fitting (a pattern that appears meanwhile waits for the fit after them), and a
+    saved memory keeps how many are left: every payload decodes to the step."""
+    sm = v2.sign_model
+    new_fits: list[tuple[int, int]] = []
+    fit_new = sm._fit_new
+    monkeypatch.setattr(sm, "_fit_new", lambda shape, *args: new_fits.append(shape) or fit_new(shape, *args))
+    shape = (384, 512)
+    config = codec.CodecConfig(dense_fraction=2.0)
+    memory = codec.EncoderMemory()
+    fitted, flags = [], []
+    for step in range(sm.IDLE_FITS + 3):
+        patterned = step >= 2  # random signs, then a pattern from the third step on
+        old, new = _weights(
+            rng, "BF16", shape, 0.2, max_step=3, **({"sign_rank": 3, "pattern_seed": 7} if patterned else {})
+        )
+        before = len(new_fits)
+        payload = codec.encode_tensor_delta(old, new, "BF16", config, shape, memory.tensor("w"))
+        fitted.append(len(new_fits) > before)
+        flags.append(payload[6])
+        assert np.array_equal(codec.decode(old, payload, "BF16", old.size), new)
+        if step == 1:  # one skip spent: a memory saved now skips the rest
+            memory.save(tmp_path / "memory.npz")
+            loaded = codec.EncoderMemory.load(tmp_path / "memory.npz").tensor("w")[0]
+            assert loaded.model is None and loaded.idle_fits == sm.IDLE_FITS - 1
+    assert fitted == [True] + [False] * sm.IDLE_FITS + [True, False]
+    assert flags == [0] * (sm.IDLE_FITS + 1) + [v2.FLAG_SIGN_MODEL] * 2
+
+
 def test_encoder_memory_files_round_trip_and_refuse_what_fit_would_not_make(rng, tmp_path) -> None:
     """EncoderMemory.save/load keep every tensor part's model; a file whose models the kernels
     could not use (codes past their bits, fields of another rank, a shape no model fits) is

@@ -53,18 +53,21 @@ class EncoderMemory:
         self._tensors.clear()
 
     def save(self, path: Path) -> None:
-        """Write the sign models to ``path`` (an ``.npz`` of uint8 arrays and a JSON index), atomically."""
+        """Write the sign models (and which parts skip their next fits) to ``path`` (an ``.npz`` of uint8 arrays and a JSON index), atomically."""
         entries: list[list[Any]] = []
+        idle: list[list[Any]] = []  # parts with no model and fits still to skip (sign_model.IDLE_FITS)
         arrays: dict[str, np.ndarray] = {}
         for name, parts in sorted(self._tensors.items()):
             for start, kept in sorted(parts.items()):
                 model = getattr(kept, "model", None)
                 if model is None:
+                    if getattr(kept, "idle_fits", 0) > 0:
+                        idle.append([name, start, kept.idle_fits])
                     continue
                 i = len(entries)
                 entries.append([name, start, kept.warm_fits, model.rank, model.bits])
                 arrays.update({f"l{i}": model.levels, f"r{i}": model.row_codes, f"c{i}": model.col_codes})
-        index = json.dumps({"format": _FORMAT, "entries": entries}).encode()
+        index = json.dumps({"format": _FORMAT, "entries": entries, "idle": idle}).encode()
         buf = io.BytesIO()
         arrays["index"] = np.frombuffer(index, np.uint8)
         np.savez(buf, *(), **arrays)  # type: ignore[arg-type]  # numpy's stub reads ** as allow_pickle
@@ -76,7 +79,7 @@ class EncoderMemory:
         """The memory :meth:`save` wrote to ``path``; CorruptDataError if it is not one (each model
         is checked as :meth:`SignModel.checked <delta_swap.codec.v2.sign_model.SignModel.checked>`
         does), OSError if it cannot be read."""
-        from .v2.sign_model import FitMemory, SignModel
+        from .v2.sign_model import IDLE_FITS, FitMemory, SignModel
 
         memory = cls()
         try:
@@ -89,6 +92,10 @@ class EncoderMemory:
                         raise ValueError(f"entry {i} is malformed")
                     model = SignModel.checked(rank, bits, arrays[f"l{i}"], arrays[f"r{i}"], arrays[f"c{i}"])
                     memory.tensor(name)[start] = FitMemory(model, max(0, warm_fits))
+                for i, (name, start, idle_fits) in enumerate(index.get("idle", [])):  # absent before IDLE_FITS
+                    if not isinstance(name, str) or not all(type(x) is int for x in (start, idle_fits)):
+                        raise ValueError(f"idle entry {i} is malformed")
+                    memory.tensor(name)[start] = FitMemory(idle_fits=min(max(0, idle_fits), IDLE_FITS))
         except (ValueError, KeyError, TypeError, AttributeError, EOFError, zipfile.BadZipFile) as exc:
             raise CorruptDataError(f"{path} is not an encoder memory: {exc}") from exc
         return memory

@@ -41,6 +41,11 @@ SMALL_STEP_CHANGES = 16
 #: on the RL corpora at lr 1e-5 the refined model costs ~0.5% more sign bits than a fresh fit, in
 #: ~0.45x of its time (benchmarks/README.md, "Encoder levels").
 WARM_FITS = 7
+#: With a :class:`FitMemory`, after a new fit finds no model that pays, this many fits in a row
+#: return None at once (raw sign bits) before the next one tries again: a matrix whose changes'
+#: signs show no pattern at one step mostly shows none at the next, and the randomized SVD that
+#: finds that out is most of such a matrix's encode (benchmarks/README.md, "Encoder levels").
+IDLE_FITS = 3
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,8 @@ class FitMemory:
 
     model: SignModel | None = None
     warm_fits: int = 0
+    #: Fits still to skip (no model) since a new fit found none that pays: see IDLE_FITS.
+    idle_fits: int = 0
 
 
 def _pack(codes: np.ndarray, bits: int) -> bytes:
@@ -304,7 +311,8 @@ def fit(
     coordinates, ``negative`` whether each step is negative. Returns the model and, per changed
     element, whether it predicts a negative step. With a ``memory`` of the same matrix's last
     step, the fit starts from its model while that still pays (at most WARM_FITS times in a row),
-    and the memory keeps what this call returns."""
+    a matrix where a new fit found no model is left with raw signs for IDLE_FITS calls, and the
+    memory keeps what this call returns."""
     n = rows.size
     n_rows, row_len = shape
     if n < MIN_CHANGES or row_len % ROW_ALIGN or n_rows < 2:
@@ -312,6 +320,9 @@ def fit(
     if memory is None:
         return _fit_new(shape, rows, cols, negative)
     last = memory.model
+    if last is None and memory.idle_fits > 0:  # the last new fit found no pattern: raw signs for now
+        memory.idle_fits -= 1
+        return None
     if last is not None and memory.warm_fits < WARM_FITS and last.shape == (n_rows, row_len):
         model, predicted = _refine(last, rows, cols, negative)
         if _model_bits(model, predicted, negative) < n - 8 * 64.0:  # it still saves 64 bytes
@@ -319,6 +330,7 @@ def fit(
             return model, predicted
     fitted = _fit_new(shape, rows, cols, negative)
     memory.model, memory.warm_fits = (fitted[0] if fitted else None), 0
+    memory.idle_fits = 0 if fitted else IDLE_FITS
     return fitted
 
 
