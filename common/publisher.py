@@ -150,12 +150,18 @@ class _Job:
 
 @dataclass(frozen=True)
 class _ChainState:
-    """What the encode of the next step depends on, as it was before a step changed it."""
+    """What the encode of the next step depends on, as it was before a step changed it. The
+    undo of a step in flight keeps no ``prev_state`` (:meth:`_ChainState.without_weights`): a
+    copy of the model for a failure that a base repairs as well."""
 
     prev_state: StateDict | None
     prev_id: str | None
     last_base_step: int | None
     resumed: bool
+
+    def without_weights(self) -> _ChainState:
+        """The same chain, its head's weights forgotten: the next step is a base."""
+        return _ChainState(None, self.prev_id, self.last_base_step, self.resumed)
 
 
 @dataclass
@@ -297,8 +303,8 @@ class Publisher:
     def _run(self) -> None:
         """Two stages on one event loop: while step N uploads and commits (:meth:`_finish`, a task),
         step N+1, if it is already queued, is encoded (:meth:`_prepare`); N+1 commits only after
-        N did. A step that fails puts the chain back where it was before it and drops the step
-        encoded meanwhile, as if the steps had run one after the other."""
+        N did. A step that fails drops the step encoded meanwhile, and the next step is a base
+        (N-1's weights are not kept while N is in flight: one copy of the model less)."""
         loop = asyncio.new_event_loop()
         store = self._store
         every = self.config.heartbeat_every
@@ -364,7 +370,8 @@ class Publisher:
 
     def _settle(self, loop: asyncio.AbstractEventLoop, in_flight: tuple[_Prepared, asyncio.Task[None]]) -> bool:
         """Wait for the step in flight; on failure record the error and put the chain back as it
-        was before that step. Marks the step done; True if it was published."""
+        was before that step, less its head's weights (the next step is a base). Marks the step
+        done; True if it was published."""
         prepared, task = in_flight
         try:
             loop.run_until_complete(task)
@@ -398,7 +405,7 @@ class Publisher:
         # The next step is encoded against this one while this one uploads.
         self._prev_state, self._prev_id = job.state, snapshot_id
         memory = self._encoder_memory.copy() if cfg.head_cache is not None else self._encoder_memory
-        return _Prepared(job, snapshot_id, prev_id, part, data, before, self.run_id, memory)
+        return _Prepared(job, snapshot_id, prev_id, part, data, before.without_weights(), self.run_id, memory)
 
     async def _upload(self, store: Store, part: Part, data: bytes | memoryview) -> None:
         """Store a part's shard (one per part) and side files, before anything commits it."""

@@ -282,16 +282,56 @@ async def test_the_next_step_encodes_while_a_step_uploads(tmp_path) -> None:
 
 
 async def test_a_failed_upload_drops_the_step_encoded_meanwhile_and_the_chain_goes_on(tmp_path) -> None:
-    steps = rl_steps(5, shapes=SHAPES)
+    steps = rl_steps(6, shapes=SHAPES)
     store = _SlowShards(tmp_path, fail="step-0000000002")
     pub = Publisher(store, PublisherConfig(run_id=RUN, max_pending=4))
     for i in range(4):
         pub.publish(i, steps[i])
     with pytest.raises(PublishError, match="refused"):
         pub.flush()
-    pub.publish(4, steps[4])  # a delta against step 1, the last one published
+    pub.publish(4, steps[4])  # a base: step 1's weights were not kept for the failure
+    pub.publish(5, steps[5])  # and the chain goes on from it
     pub.close()
     manifests = await ChainReader(FileStore(tmp_path)).list()
-    assert [m.snapshot_id for m in manifests] == ["step-0000000000", "step-0000000001", "step-0000000004"]
-    assert manifests[-1].kind == "delta" and manifests[-1].prev_snapshot_id == "step-0000000001"
-    assert_state_equal((await rebuild(FileStore(tmp_path)))[1], steps[4])
+    assert [m.snapshot_id for m in manifests] == [f"step-{i:010d}" for i in (0, 1, 4, 5)]
+    assert [m.kind for m in manifests] == ["base", "delta", "base", "delta"]
+    assert manifests[-1].prev_snapshot_id == "step-0000000004"
+    for i in (4, 5):
+        assert_state_equal((await rebuild(FileStore(tmp_path), f"step-{i:010d}"))[1], steps[i])
+
+
+def test_a_step_in_flight_keeps_no_copy_of_the_step_before_it(tmp_path, monkeypatch) -> None:
+    """While step N uploads and step N+1 encodes against it, the publisher holds the host copies
+    of N and N+1 only: N-1's (for a failure of N, which a base repairs too) would be a third."""
+    import gc
+    import weakref
+
+    from delta_swap import publisher as publisher_module
+
+    copies: list[list[weakref.ref]] = []
+    host_copy = publisher_module.state_to_host
+
+    def recorded(tensors):
+        state = host_copy(tensors)
+        copies.append([weakref.ref(t.data) for t in state.values()])
+        return state
+
+    store = _SlowShards(tmp_path)
+    seen: list[list[int]] = []
+
+    def progress(_: int) -> None:
+        if not store.uploading:  # step 1's encode: slow enough for step 2 to queue behind it
+            threading.Event().wait(0.02)
+            return
+        gc.collect()
+        seen.append([i for i, refs in enumerate(copies) if any(ref() is not None for ref in refs)])
+
+    monkeypatch.setattr(publisher_module, "state_to_host", recorded)
+    steps = rl_steps(3, shapes=SHAPES)
+    with Publisher(store, PublisherConfig(run_id=RUN, max_pending=4, base_every=10), progress=progress) as pub:
+        pub.publish(0, steps[0])
+        pub.flush()
+        pub.publish(1, steps[1])
+        pub.publish(2, steps[2])  # encoded while step 1 uploads
+    assert seen, "step 2 was not encoded while step 1 uploaded"
+    assert all(alive == [1, 2] for alive in seen), seen
