@@ -22,7 +22,7 @@ import numpy as np
 
 from .arena import remove_stale_arenas
 from .safetensors_io import specs_header
-from .staging_files import own, staging_file
+from .staging_files import own, remove_stale_transients, staging_file
 from .tensors import HostTensor, StateDict, TensorSpecs
 
 #: The file kind in the staging folder: ``delta-swap-weights-<pid>-<tag>.safetensors``.
@@ -47,6 +47,7 @@ class HostCopy:
         header, locations = specs_header((name, *specs[name]) for name in names)
         size = max([len(header), *(offset + length for offset, length in locations.values())])
         remove_stale_arenas(staging_dir)  # copies left by killed servers hold memory in /dev/shm
+        remove_stale_transients(staging_dir)  # and so do their updates' files
         path = staging_file(staging_dir, KIND)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:

@@ -21,6 +21,7 @@ import asyncio
 import atexit
 import fcntl
 import os
+import re
 import shutil
 import threading
 import time
@@ -51,7 +52,8 @@ def remove_at_exit(path: str | os.PathLike[str]) -> None:
     """Delete ``path`` when this process exits normally. A file in the staging folder (/dev/shm)
     is memory until it is deleted, and an engine's API server may stop without telling its plugins
     (vLLM's does): its weight copies would outlive it. A killed process's files are deleted by the
-    next server that starts in the same folder (:func:`delta_swap.arena.remove_stale_arenas`).
+    next server that starts in the same folder (:func:`delta_swap.arena.remove_stale_arenas`, and
+    an update's own files by :func:`remove_stale_transients`).
     A forked child that exits normally leaves them: they are its parent's."""
     global _registered_by
     with _exit_lock:
@@ -155,6 +157,45 @@ def stage_tensors(
     path = staging_file(staging_dir, kind)
     write_tensors(path, state, names)
     return StagedTensors(path, names, owned=True)
+
+
+#: What an update leaves in the staging folder only while it runs (:func:`staging_file` names):
+#: tensors handed to the engine's processes (``update-<version>``, ``check``), vLLM's undo record,
+#: doorbells (``staged``, folders) and doorbells being removed (``.gone``). The group is the pid.
+_TRANSIENT = re.compile(r"delta-swap-(?:update|check|undo|staged)-(?:.*-)?(\d+)-[0-9a-f]{8}(?:\..*)?")
+#: A killed server's transient files are removed by the next server in the folder once their
+#: owner's pid is not running and they are this old. They are not held (:func:`hold`), so the age
+#: stands in for the lock a server in another PID namespace would hold: no update takes an hour.
+STALE_TRANSIENT_S = 3600.0
+
+
+def remove_stale_transients(folder: str | os.PathLike[str], now: float | None = None) -> list[Path]:
+    """Delete what killed servers' updates left in ``folder`` (see ``_TRANSIENT``): files and
+    doorbell folders whose owner no longer runs and that are :data:`STALE_TRANSIENT_S` old."""
+    now = time.time() if now is None else now
+    removed = []
+    for path in Path(folder).glob("delta-swap-*"):
+        match = _TRANSIENT.fullmatch(path.name)
+        if match is None:
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+            continue  # running here
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError):
+            continue
+        try:
+            if now - path.lstat().st_mtime < STALE_TRANSIENT_S:
+                continue
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        except FileNotFoundError:
+            continue
+        removed.append(path)
+    return removed
 
 
 def make_doorbell(staging_dir: str) -> str:

@@ -351,6 +351,52 @@ def test_files_left_by_killed_servers_are_removed_and_live_ones_kept(tmp_path) -
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for n, keep in names.items() if keep)
 
 
+def test_a_killed_servers_update_files_and_doorbells_are_removed_once_stale(tmp_path) -> None:
+    """What an update leaves in /dev/shm while it runs (its tensors, vLLM's undo record, doorbell
+    folders) outlives a killed server: the next server's copy removes it once the owner's pid is
+    not running and it is an hour old (nothing holds these files: the age stands in for the lock
+    of a server in another PID namespace). A live owner's, a young one's and others' stay."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from delta_swap.host_copy import HostCopy
+    from delta_swap.staging_files import STALE_TRANSIENT_S
+
+    dead = int(
+        subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout
+    )
+    old = time.time() - STALE_TRANSIENT_S - 60
+    stale = [
+        f"delta-swap-update-step-0000000003-{dead}-0a1b2c3d.safetensors",
+        f"delta-swap-check-{dead}-0a1b2c3d.safetensors",
+        f"delta-swap-undo-{dead}-0a1b2c3d.json",
+        f"delta-swap-staged-{dead}-0a1b2c3d.done",
+        f"delta-swap-staged-{dead}-0a1b2c3d.done.1a2b3c4d.gone",
+    ]
+    kept = [
+        f"delta-swap-update-step-0000000003-{os.getpid()}-0a1b2c3d.safetensors",  # its owner runs
+        f"delta-swap-check-{dead}-1a1b2c3d.safetensors",  # young: see below
+        f"delta-swap-config-{dead}-0a1b2c3d.json",  # not an update's
+        "other-file",
+    ]
+    for name in stale + kept:
+        path = tmp_path / name
+        if ".done" in name:
+            path.mkdir()
+            (path / str(dead)).touch()
+        else:
+            path.write_bytes(b"x")
+        if name != kept[1]:
+            os.utime(path, (old, old))
+    copy = HostCopy.create(str(tmp_path), {"w": ("BF16", (4, 4))})
+    try:
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*kept, Path(copy.path).name])
+    finally:
+        copy.close()
+
+
 _MAKE_WEIGHT_FILES = """
 import os, sys
 from delta_swap.arena import ArenaPair, ArenaLayout
