@@ -51,7 +51,7 @@ class CodecConfig:
     #: fast and payloads ~4-5% larger at lr 1e-5 (about the same at 1e-6). Measured on
     #: benchmarks/codec_bench.py's corpora: benchmarks/README.md, "Encoder levels". At level 2 an
     #: :class:`EncoderMemory` (the publisher keeps one) makes the fits after a matrix's first one
-    #: refinements of the last step's model.
+    #: refinements of the last step's model, and skips the next 3 after a fit that found no pattern.
     level: int = 2
     #: Codec v2: a tensor of at least twice this many elements is coded in parts of about this
     #: many (whole rows each), which threads encode and decode together (2^23: 16 MiB of bf16).
