@@ -77,6 +77,8 @@ class Subscriber:
         self._last_error: str | None = None
         self._last_error_kind: str | None = None
         self._last_error_at: float | None = None
+        #: The most recent failure, kept after a later update succeeds (which clears _last_error).
+        self._last_failure: dict[str, Any] | None = None
         self._last_timings: dict[str, float] = {}
         self._last_path: list[str] = []
         self._updates = 0
@@ -231,6 +233,7 @@ class Subscriber:
         self._last_error = f"{type(exc).__name__}: {self._public_message(exc)}"
         self._last_error_kind = kind
         self._last_error_at = time.time()
+        self._last_failure = {"error": self._last_error, "kind": kind, "at": self._last_error_at}
         log.warning(
             "delta-swap: staying on %s: %s: %s",
             self._current and self._current.snapshot_id,
@@ -518,6 +521,8 @@ class Subscriber:
             "last_error": self._last_error,
             "last_error_kind": self._last_error_kind if self._last_error else None,
             "last_error_at": self._last_error_at,
+            # The latest failure's reason, still there once a later update (a repair) succeeded.
+            "last_failure": self._last_failure,
             "last_resync": self._last_resync,
             "last_update_timings_s": {k: round(v, 6) for k, v in self._last_timings.items()},
             "last_update_path": self._last_path,

@@ -134,7 +134,11 @@ async def test_corrupt_delta_never_reaches_the_engine_and_status_says_why(tmp_pa
     assert sub.current.step == 1 and "engine refused" in sub.status()["last_error"]
     assert engine.version == "step-0000000001" and engine.calls[-2:] == ["swap:step-0000000001", "resume"]
     assert_state_equal(engine.weights, steps[1])
+    refused = sub.status()["last_failure"]
     assert await sub.sync() and sub.current.step == 2 and sub.status()["last_error"] is None
+    # once an update succeeds, the latest failure's reason is still there for whoever asks later
+    assert sub.status()["last_failure"] == refused and "engine refused" in refused["error"], refused
+    assert refused["kind"] and refused["at"] <= time.time()
     await sub.stop()
     assert_state_equal(engine.weights, steps[2])
 
