@@ -329,14 +329,20 @@ def test_predicted_signs_round_trip_and_shrink_the_payload(
     assert len(raw) - len(payload) > (0.15 if sign_rank == 1 else 0.05) * n_changed / 8
 
 
-def test_encoder_memory_starts_each_fit_from_the_last_steps_model(rng, monkeypatch) -> None:
+@pytest.fixture
+def new_fits(monkeypatch) -> list[tuple[int, int]]:
+    """The shape of every new sign-model fit (not a refinement) made while the test runs."""
+    fits: list[tuple[int, int]] = []
+    fit_new = v2.sign_model._fit_new
+    monkeypatch.setattr(v2.sign_model, "_fit_new", lambda shape, *args: fits.append(shape) or fit_new(shape, *args))
+    return fits
+
+
+def test_encoder_memory_starts_each_fit_from_the_last_steps_model(rng, new_fits) -> None:
     """With an EncoderMemory, a matrix's next step refines the sign model of its last one instead
     of a new SVD, at most WARM_FITS times in a row, for payloads that decode the same and are as
     small; a memory of another shape, or a last model that no longer pays, gets a new fit."""
     sm = v2.sign_model
-    new_fits: list[tuple[int, int]] = []
-    fit_new = sm._fit_new
-    monkeypatch.setattr(sm, "_fit_new", lambda shape, *args: new_fits.append(shape) or fit_new(shape, *args))
     shape = (384, 512)
     config = codec.CodecConfig(dense_fraction=2.0)
     memory = codec.EncoderMemory()
@@ -365,14 +371,11 @@ def test_encoder_memory_starts_each_fit_from_the_last_steps_model(rng, monkeypat
     assert np.array_equal(codec.decode(old, payload, "BF16", old.size), new)
 
 
-def test_encoder_memory_skips_the_fits_after_one_that_found_no_pattern(rng, monkeypatch, tmp_path) -> None:
+def test_encoder_memory_skips_the_fits_after_one_that_found_no_pattern(rng, new_fits, tmp_path) -> None:
     """After a new fit finds no sign pattern, the next IDLE_FITS steps of that matrix keep raw sign
     bits without fitting (a pattern that appears meanwhile waits for the fit after them), and a
     saved memory keeps how many are left: every payload decodes to the step."""
     sm = v2.sign_model
-    new_fits: list[tuple[int, int]] = []
-    fit_new = sm._fit_new
-    monkeypatch.setattr(sm, "_fit_new", lambda shape, *args: new_fits.append(shape) or fit_new(shape, *args))
     shape = (384, 512)
     config = codec.CodecConfig(dense_fraction=2.0)
     memory = codec.EncoderMemory()

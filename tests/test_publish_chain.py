@@ -23,7 +23,7 @@ from delta_swap.manifest import snapshot_id_for_step
 from delta_swap.publisher import Publisher, PublisherConfig
 from delta_swap.rebuild import rebuild
 from delta_swap.stores import FileStore
-from tests.support.chains import assert_state_equal, momentum_steps, rl_steps
+from tests.support.chains import assert_state_equal, momentum_steps, record_host_copies, rl_steps
 
 
 def _publish(store_dir, steps, **cfg) -> list[str]:
@@ -176,27 +176,13 @@ def test_a_step_flushed_holds_one_copy_of_the_model(tmp_path, monkeypatch) -> No
     """Once step N is flushed the publisher holds step N's host copy (the next delta's reference)
     and no earlier one: the step before is the undo of the step in flight only while it is in
     flight. Holding it until the next publish made a trainer's peak three copies instead of two."""
-    import gc
-    import weakref
-
-    from delta_swap import publisher as publisher_module
-
-    copies: list[list[weakref.ref]] = []
-    host_copy = publisher_module.state_to_host
-
-    def recorded(tensors):
-        state = host_copy(tensors)
-        copies.append([weakref.ref(t.data) for t in state.values()])
-        return state
-
-    monkeypatch.setattr(publisher_module, "state_to_host", recorded)
+    alive_copies = record_host_copies(monkeypatch)
     steps = rl_steps(3)
     with Publisher(str(tmp_path), PublisherConfig(base_every=10, warm_up=False)) as pub:
         for step, state in enumerate(steps):
             pub.publish(step, state)
             pub.flush()
-            gc.collect()
-            alive = [i for i, refs in enumerate(copies) if any(ref() is not None for ref in refs)]
+            alive = alive_copies()
             assert alive == [step], f"after flushing step {step} the copies of steps {alive} are alive"
 
 

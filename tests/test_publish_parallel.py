@@ -21,7 +21,7 @@ from delta_swap.publisher import Publisher, PublisherConfig, allowed_cores
 from delta_swap.rebuild import rebuild
 from delta_swap.safetensors_io import parse_header
 from delta_swap.stores import FileStore
-from tests.support.chains import assert_state_equal, momentum_steps, rl_steps
+from tests.support.chains import assert_state_equal, momentum_steps, record_host_copies, rl_steps
 
 #: More tensors than twice the threads below, of several sizes, so results arrive out of order.
 SHAPES = {f"layers.{i}.w": (16 + 8 * (i % 5), 64) for i in range(14)} | {"norm.weight": (64,)}
@@ -303,19 +303,6 @@ async def test_a_failed_upload_drops_the_step_encoded_meanwhile_and_the_chain_go
 def test_a_step_in_flight_keeps_no_copy_of_the_step_before_it(tmp_path, monkeypatch) -> None:
     """While step N uploads and step N+1 encodes against it, the publisher holds the host copies
     of N and N+1 only: N-1's (for a failure of N, which a base repairs too) would be a third."""
-    import gc
-    import weakref
-
-    from delta_swap import publisher as publisher_module
-
-    copies: list[list[weakref.ref]] = []
-    host_copy = publisher_module.state_to_host
-
-    def recorded(tensors):
-        state = host_copy(tensors)
-        copies.append([weakref.ref(t.data) for t in state.values()])
-        return state
-
     store = _SlowShards(tmp_path)
     seen: list[list[int]] = []
 
@@ -323,10 +310,9 @@ def test_a_step_in_flight_keeps_no_copy_of_the_step_before_it(tmp_path, monkeypa
         if not store.uploading:  # step 1's encode: slow enough for step 2 to queue behind it
             threading.Event().wait(0.02)
             return
-        gc.collect()
-        seen.append([i for i, refs in enumerate(copies) if any(ref() is not None for ref in refs)])
+        seen.append(alive_copies())
 
-    monkeypatch.setattr(publisher_module, "state_to_host", recorded)
+    alive_copies = record_host_copies(monkeypatch)
     steps = rl_steps(3, shapes=SHAPES)
     with Publisher(store, PublisherConfig(run_id=RUN, max_pending=4, base_every=10), progress=progress) as pub:
         pub.publish(0, steps[0])

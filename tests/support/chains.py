@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+from collections.abc import Callable
+
 import torch
 
 
@@ -52,3 +56,25 @@ def assert_state_equal(state, expected: dict[str, torch.Tensor]) -> None:
         assert torch.equal(
             got.view(torch.uint8) if got.dim() else got, tensor.view(torch.uint8) if tensor.dim() else tensor
         ), name
+
+
+def record_host_copies(monkeypatch) -> Callable[[], list[int]]:
+    """Count the publisher's host copies of the model: returns a function that gives the indices
+    (in the order the copies were made) of those still alive."""
+    from delta_swap import publisher as publisher_module
+
+    copies: list[list[weakref.ref]] = []
+    host_copy = publisher_module.state_to_host
+
+    def recorded(tensors):
+        state = host_copy(tensors)
+        copies.append([weakref.ref(t.data) for t in state.values()])
+        return state
+
+    monkeypatch.setattr(publisher_module, "state_to_host", recorded)
+
+    def alive() -> list[int]:
+        gc.collect()
+        return [i for i, refs in enumerate(copies) if any(ref() is not None for ref in refs)]
+
+    return alive
