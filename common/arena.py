@@ -28,7 +28,7 @@ import numpy as np
 from .dtypes import dtype_size
 from .errors import CorruptDataError, EngineError
 from .manifest import load_json
-from .staging_files import held, own
+from .staging_files import held, own, owner_gone
 from .tensors import HostTensor, StateDict, TensorSpecs
 
 log = logging.getLogger("delta_swap")
@@ -233,16 +233,9 @@ def remove_stale_arenas(folder: str | os.PathLike[str]) -> list[Path]:
     stale = [path for kind in ("arena", "layout", "weights") for path in Path(folder).glob(f"delta-swap-{kind}-*")]
     for path in stale:
         pid = file_owner(path)
-        if pid is None:
-            continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            if not held(path):
-                path.unlink(missing_ok=True)
-                removed.append(path)
-        except PermissionError:
-            continue
+        if pid is not None and owner_gone(pid) and not held(path):
+            path.unlink(missing_ok=True)
+            removed.append(path)
     return removed
 
 

@@ -118,6 +118,18 @@ def held(path: str | os.PathLike[str]) -> bool:
     return False
 
 
+def owner_gone(pid: int) -> bool:
+    """Whether no process ``pid`` runs here (False when one does, or when that cannot be told: a
+    pid this user may not signal, or none the system could have)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError):
+        return False
+    return False
+
+
 def staging_file(staging_dir: str, kind: str, suffix: str = ".safetensors") -> str:
     """A new path in ``staging_dir`` for one file of ``kind`` (``update``, ``check``...), unique to
     this process and call."""
@@ -178,12 +190,7 @@ def remove_stale_transients(folder: str | os.PathLike[str], now: float | None = 
         match = _TRANSIENT.fullmatch(path.name)
         if match is None:
             continue
-        try:
-            os.kill(int(match.group(1)), 0)
-            continue  # running here
-        except ProcessLookupError:
-            pass
-        except (PermissionError, OverflowError):
+        if not owner_gone(int(match.group(1))):
             continue
         try:
             if now - path.lstat().st_mtime < STALE_TRANSIENT_S:
