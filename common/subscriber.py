@@ -74,10 +74,8 @@ class Subscriber:
         self._current_since: float | None = None  # time.time() when the engine began serving it
         self._newest: Manifest | None = None
         self._staged_id: str | None = None
-        self._last_error: str | None = None
-        self._last_error_kind: str | None = None
-        self._last_error_at: float | None = None
-        #: The most recent failure, kept after a later update succeeds (which clears _last_error).
+        self._last_error: str | None = None  # the failure not yet followed by an update that succeeded
+        #: The most recent failure (error, kind, at), kept after a later update succeeds.
         self._last_failure: dict[str, Any] | None = None
         self._last_timings: dict[str, float] = {}
         self._last_path: list[str] = []
@@ -231,9 +229,7 @@ class Subscriber:
         self._metrics.failures.labels(kind).inc()
         self._failures += 1
         self._last_error = f"{type(exc).__name__}: {self._public_message(exc)}"
-        self._last_error_kind = kind
-        self._last_error_at = time.time()
-        self._last_failure = {"error": self._last_error, "kind": kind, "at": self._last_error_at}
+        self._last_failure = {"error": self._last_error, "kind": kind, "at": time.time()}
         log.warning(
             "delta-swap: staying on %s: %s: %s",
             self._current and self._current.snapshot_id,
@@ -519,8 +515,8 @@ class Subscriber:
             "update_seconds": _since(self._sync_since),
             "update_phase_seconds": _since(self._phase_since),
             "last_error": self._last_error,
-            "last_error_kind": self._last_error_kind if self._last_error else None,
-            "last_error_at": self._last_error_at,
+            "last_error_kind": self._last_failure["kind"] if self._last_error and self._last_failure else None,
+            "last_error_at": self._last_failure and self._last_failure["at"],
             # The latest failure's reason, still there once a later update (a repair) succeeded.
             "last_failure": self._last_failure,
             "last_resync": self._last_resync,
