@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -308,7 +309,7 @@ def test_a_step_in_flight_keeps_no_copy_of_the_step_before_it(tmp_path, monkeypa
 
     def progress(_: int) -> None:
         if not store.uploading:  # step 1's encode: slow enough for step 2 to queue behind it
-            threading.Event().wait(0.02)
+            time.sleep(0.02)
             return
         seen.append(alive_copies())
 

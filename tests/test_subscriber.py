@@ -328,17 +328,23 @@ async def test_an_engine_with_weight_arenas_gets_updates_decoded_into_its_spare_
     assert not list(tmp_path.glob("delta-swap-arena-*"))
 
 
+def _dead_pid() -> int:
+    """The pid of a process that has exited (a child run to its end)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(done.stdout)
+
+
 def test_files_left_by_killed_servers_are_removed_and_live_ones_kept(tmp_path) -> None:
     """Arena and layout files carry their owner's pid; those of processes that are gone (a
     SIGKILLed server) are deleted, those of running processes and foreign names are kept."""
     import os
-    import subprocess
-    import sys
 
     from delta_swap.arena import remove_stale_arenas
 
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead = int(gone.stdout)
+    dead = _dead_pid()
     names = {
         f"delta-swap-arena-{dead}-a": False,
         f"delta-swap-layout-{dead}.json": False,
@@ -362,16 +368,11 @@ def test_a_killed_servers_update_files_and_doorbells_are_removed_once_stale(tmp_
     not running and it is an hour old (nothing holds these files: the age stands in for the lock
     of a server in another PID namespace). A live owner's, a young one's and others' stay."""
     import os
-    import subprocess
-    import sys
-    import time
 
     from delta_swap.host_copy import HostCopy
     from delta_swap.staging_files import STALE_TRANSIENT_S
 
-    dead = int(
-        subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout
-    )
+    dead = _dead_pid()
     old = time.time() - STALE_TRANSIENT_S - 60
     stale = [
         f"delta-swap-update-step-0000000003-{dead}-0a1b2c3d.safetensors",
@@ -448,14 +449,11 @@ def test_a_held_file_is_kept_whatever_pid_its_name_carries(tmp_path) -> None:
     """A server in another PID namespace sharing /dev/shm (containers with ``--ipc=host``) names
     its files with pids this one cannot see: the lock its owner holds keeps them."""
     import os
-    import subprocess
-    import sys
 
     from delta_swap.arena import remove_stale_arenas
     from delta_swap.staging_files import hold
 
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    other = tmp_path / f"delta-swap-weights-{int(gone.stdout)}-0a1b2c3d.safetensors"
+    other = tmp_path / f"delta-swap-weights-{_dead_pid()}-0a1b2c3d.safetensors"
     other.write_bytes(b"x")
     fd = hold(other)  # as its owner in the other namespace does
     assert remove_stale_arenas(tmp_path) == [] and other.exists()
